@@ -1,0 +1,158 @@
+"""`omniattn.attention`: validate, normalise, choose the schedule, dispatch to a backend."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .autograd import triton_attention
+from .kernels.configs import interpreting
+from .kernels.schedule import KernelArgs
+from .reference import attention_reference
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+# argument -> the feature (issue) that brings it; until then passing it raises NotImplementedError
+_PENDING_FEATURES = {
+    "attn_mask": "element masks (issue #4, dynamic mask attention)",
+    "attn_bias": "additive bias (issue #4, dynamic mask attention)",
+    "block_mask": "block masks (issue #3)",
+    "seqlens_k_per_row": "per-row key lengths (issue #5)",
+    "cu_seqlens_q": "varlen (issue #5)",
+    "cu_seqlens_k": "varlen (issue #5)",
+    "max_seqlen_q": "varlen (issue #5)",
+    "max_seqlen_k": "varlen (issue #5)",
+}
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
+                            f"or torch.float32")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got "
+                             f"{_describe(t)} (3-D packed inputs need cu_seqlens_q/k, issue #5)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    batch, _, num_heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Sk, Hk, D), got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k has batch size {k.shape[0]} but q has {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k/v have head_dim {k.shape[3]} but q has {head_dim}")
+    if head_dim > MAX_HEAD_DIM or head_dim < 1:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim} "
+                         f"(q {_describe(q)})")
+    num_heads_k = k.shape[2]
+    if num_heads_k == 0 or num_heads % num_heads_k != 0:
+        raise ValueError(f"the number of query heads ({num_heads}) must be a multiple of the "
+                         f"number of key/value heads ({num_heads_k}) for GQA/MQA")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, got "
+                             f"strides {t.stride()}; call {name}.contiguous() first")
+
+
+def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+            raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
+        if any(w < -1 for w in window):
+            raise ValueError(f"window offsets must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    if softmax_scale is not None:
+        if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet: dropout (issue #5)")
+
+
+def _use_kernels(q: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
+    return q.is_cuda or interpreting()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    block_mask=None,
+    seqlens_k_per_row: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention with every mask on one kernel core, forward and backward.
+
+    Args:
+        q: (B, Sq, H, D); k, v: (B, Sk, Hk, D) with H % Hk == 0 (GQA/MQA). fp16, bf16 or fp32,
+            contiguous in the last dimension, D <= 256.
+        causal: key j is visible to query i iff j <= i + Sk - Sq (bottom-right aligned).
+        window: (left, right): key j visible iff i + Sk - Sq - left <= j <= i + Sk - Sq + right;
+            -1 = unbounded on that side. ANDed with causal.
+        softmax_scale: defaults to 1 / sqrt(D).
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
+        deterministic: the backward pass is always deterministic (no atomics); accepted for
+            compatibility.
+        return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log), -inf for a row
+            that sees no key. It is differentiable.
+
+    Returns:
+        out (B, Sq, H, D) in q's dtype (0 on rows that see no key), or (out, lse).
+
+    attn_mask, attn_bias, block_mask, seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and
+    dropout_p > 0 belong to later features and raise NotImplementedError until they land.
+    """
+    pending = {"attn_mask": attn_mask, "attn_bias": attn_bias, "block_mask": block_mask,
+               "seqlens_k_per_row": seqlens_k_per_row, "cu_seqlens_q": cu_seqlens_q,
+               "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k}
+    for name, value in pending.items():
+        if value is not None:
+            raise NotImplementedError(f"{name} is not implemented yet: {_PENDING_FEATURES[name]}")
+    _check_qkv(q, k, v)
+    _check_options(causal, window, softmax_scale, softcap, dropout_p)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+
+    if _use_kernels(q):
+        args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
+        out, lse = triton_attention(q, k, v, args)
+    else:
+        out, lse = attention_reference(q, k, v, causal=causal, window=window,
+                                       softmax_scale=softmax_scale, softcap=float(softcap),
+                                       return_lse=True)
+    return (out, lse) if return_lse else out

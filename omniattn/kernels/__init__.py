@@ -1,0 +1,1 @@
+"""Triton kernels: schedules, forward, backward, tile configs."""

@@ -1,0 +1,323 @@
+"""Backward: a preprocess (delta = rowsum(dO * O)) then one launch whose first programs compute
+dK/dV for a key tile (walking the transposed schedule over every query head of its KV group, so
+GQA needs neither repeated K/V nor atomics) and whose other programs compute dQ for a query tile
+(walking the forward schedule). Every gradient is written once: the result is deterministic."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (LOG2E, implicit_kv_range, implicit_q_range, schedule_phase, scores_log2,
+                     visible_elements)
+from .configs import backward_config, padded_head_dim
+from .fwd import load_rows
+from .schedule import KernelArgs, Schedule
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+    stride_db, stride_dh, seqlen_q, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = load_rows(Out + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_d[None, :],
+                  offs_m, seqlen_q, offs_d, False, HEAD_DIM, BLOCK_D)
+    do = load_rows(DOut + off_b * stride_dob + off_h * stride_doh + rows * stride_dom
+                   + offs_d[None, :], offs_m, seqlen_q, offs_d, False, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile, tile_list, first_tile, num_tiles,
+    offs_m, offs_n, offs_d, stride_qm, stride_dom,
+    seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV [BN, BD] of one key tile over `num_tiles` query tiles (transposed form:
+    scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing."""
+    for i in range(num_tiles):
+        if FROM_LIST:
+            tile_m = tl.load(tile_list + i)
+        else:
+            tile_m = first_tile + i
+        start_m = tile_m * BLOCK_M
+        rows = start_m + offs_m
+        q = load_rows(q_tile + start_m.to(tl.int64) * stride_qm, rows, seqlen_q, offs_d, EVEN_M,
+                      HEAD_DIM, BLOCK_D)  # [BM, BD]
+        do = load_rows(do_tile + start_m.to(tl.int64) * stride_dom, rows, seqlen_q, offs_d, EVEN_M,
+                       HEAD_DIM, BLOCK_D)  # [BM, BD]
+        if EVEN_M:
+            lse = tl.load(lse_tile + rows)
+            delta = tl.load(delta_tile + rows)
+        else:
+            lse = tl.load(lse_tile + rows, mask=rows < seqlen_q, other=float("inf"))
+            delta = tl.load(delta_tile + rows, mask=rows < seqlen_q, other=0.0)
+        # a row that saw no key has lse = -inf: +inf makes its probabilities 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BN, BM]
+        s_t, capped_t = scores_log2(qk_t, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        p_t = tl.exp2(s_t - lse[None, :])
+        if PARTIAL:
+            visible = visible_elements(rows, offs_n, seqlen_k, diag_offset, window_left,
+                                       window_right, HAS_LEFT, HAS_RIGHT)  # [BM, BN]
+            p_t = tl.where(tl.trans(visible), p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - capped_t * capped_t)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
+    offs_m, offs_n, offs_d, stride_kn, stride_vn,
+    seqlen_k, diag_offset, window_left, window_right,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ [BM, BD] of one query tile over `num_tiles` key tiles. Keys past Sk load
+    k = v = 0, so they add nothing to dQ."""
+    for i in range(num_tiles):
+        if FROM_LIST:
+            tile_n = tl.load(tile_list + i)
+        else:
+            tile_n = first_tile + i
+        start_n = tile_n * BLOCK_N
+        keys = start_n + offs_n
+        k = load_rows(k_tile + start_n.to(tl.int64) * stride_kn, keys, seqlen_k, offs_d, EVEN_N,
+                      HEAD_DIM, BLOCK_D)  # [BN, BD]
+        v = load_rows(v_tile + start_n.to(tl.int64) * stride_vn, keys, seqlen_k, offs_d, EVEN_N,
+                      HEAD_DIM, BLOCK_D)  # [BN, BD]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+        s, capped = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        p = tl.exp2(s - lse[:, None])
+        if PARTIAL:
+            visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
+                                       window_right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh,
+    KvNum, KvIdx, FullKvNum, FullKvIdx,
+    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+    QNum, QIdx, FullQNum, FullQIdx,
+    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+    seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
+    diag_offset, window_left, window_right, softmax_scale,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    off_bhk = tl.program_id(1)
+    num_heads_k = num_heads // group
+    off_b = off_bhk // num_heads_k
+    off_hk = off_bhk % num_heads_k
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+
+    if pid < n_tiles_n:
+        # dK/dV of key tile `pid`, summed over the query heads of this KV head
+        start_n = pid * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        local_n = tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + local_n[:, None] * stride_kn
+                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+        v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
+                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        lo = 0
+        full_lo = 0
+        full_hi = 0
+        hi = 0
+        if not EXPLICIT:
+            lo, full_lo, full_hi, hi = implicit_q_range(
+                start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for g in range(group):
+            off_h = off_hk * group + g
+            q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+                + offs_m[:, None] * stride_qm + offs_d[None, :]
+            do_tile = DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
+                + offs_m[:, None] * stride_dom + offs_d[None, :]
+            lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+            delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+            part_num = QNum + off_b * stride_qnb + off_h * stride_qnh + pid * stride_qnn
+            part_idx = QIdx + off_b.to(tl.int64) * stride_qib + off_h.to(tl.int64) * stride_qih \
+                + pid.to(tl.int64) * stride_qin
+            full_num = FullQNum + off_b * stride_gnb + off_h * stride_gnh + pid * stride_gnn
+            full_idx = FullQIdx + off_b.to(tl.int64) * stride_gib \
+                + off_h.to(tl.int64) * stride_gih + pid.to(tl.int64) * stride_gin
+            for phase in tl.static_range(3):
+                tile_list, first_tile, num_tiles = schedule_phase(
+                    phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
+                    lo, full_lo, full_hi, hi)
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile,
+                    tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d,
+                    stride_qm, stride_dom, seqlen_q, seqlen_k, diag_offset,
+                    window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                    EXPLICIT, phase != 1, EVEN_M, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+        dk = dk * softmax_scale
+        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
+            + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
+        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh \
+            + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
+        store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+    else:
+        # dQ of one query tile of one query head of this KV group
+        work = pid - n_tiles_n
+        tile_m = work % n_tiles_m
+        off_h = off_hk * group + work // n_tiles_m
+        start_m = tile_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        local_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                      + start_m.to(tl.int64) * stride_qm + local_m[:, None] * stride_qm
+                      + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+        do = load_rows(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                       + start_m.to(tl.int64) * stride_dom + local_m[:, None] * stride_dom
+                       + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+        lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+        delta_ptrs = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh \
+            + offs_m
+        lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
+        k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo = 0
+        full_lo = 0
+        full_hi = 0
+        hi = 0
+        if not EXPLICIT:
+            lo, full_lo, full_hi, hi = implicit_kv_range(
+                start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        part_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
+        part_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
+            + tile_m.to(tl.int64) * stride_kim
+        full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
+        full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
+            + tile_m.to(tl.int64) * stride_fim
+        for phase in tl.static_range(3):
+            tile_list, first_tile, num_tiles = schedule_phase(
+                phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,
+                lo, full_lo, full_hi, hi)
+            dq = _dq_tiles(
+                dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
+                offs_m, offs_n, offs_d, stride_kn, stride_vn, seqlen_k, diag_offset,
+                window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        dq = dq * softmax_scale
+        dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
+            + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
+                       dlse: torch.Tensor | None = None):
+    """Gradients (dq, dk, dv) shaped like (q, k, v); dk/dv are reduced over each KV group.
+    dlse (B, H, Sq), the gradient reaching lse, enters as delta - dlse (d lse / d s = p)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    group = num_heads // num_heads_k
+    block_d = padded_head_dim(head_dim)
+    cfg = backward_config(head_dim, q.dtype)
+    block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
+        else (cfg.block_m, cfg.block_n)
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    delta = torch.empty_like(lse)
+    _bwd_preprocess[(triton.cdiv(seqlen_q, 64), batch * num_heads)](
+        out, dout, delta,
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        delta.stride(0), delta.stride(1), seqlen_q, num_heads,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
+    )
+    if dlse is not None:
+        delta -= dlse
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    n_tiles_m = triton.cdiv(seqlen_q, block_m)
+    n_tiles_n = triton.cdiv(seqlen_k, block_n)
+    if schedule is not None:
+        fwd_sched = schedule.forward_operands(batch, num_heads, n_tiles_m)
+        t_sched = schedule.transposed_operands(batch, num_heads, n_tiles_n)
+    else:
+        fwd_sched = t_sched = Schedule.placeholder_operands(q.device)
+    grid = (n_tiles_n + group * n_tiles_m, batch * num_heads_k)
+    _bwd_kernel[grid](
+        q, k, v, dout, lse, delta, dq, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        lse.stride(0), lse.stride(1),
+        *fwd_sched, *t_sched,
+        seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
+        seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
+        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
+        EXPLICIT=schedule is not None, EVEN_M=seqlen_q % block_m == 0,
+        EVEN_N=seqlen_k % block_n == 0, DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,120 @@
+"""Pieces shared by the forward and backward kernels: the element predicate and the softcap."""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def visible_elements(
+    offs_m, offs_n, seqlen_k, diag_offset, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Element predicate of a PARTIAL tile: [BM, BN] True where query offs_m may see key offs_n.
+
+    diag_offset = Sk - Sq (bottom-right aligned diagonal); causal is HAS_RIGHT with window_right 0.
+    Later features (element mask, per-row key length, documents) AND their terms in here.
+    """
+    visible = offs_n[None, :] < seqlen_k
+    rel = offs_n[None, :] - offs_m[:, None] - diag_offset
+    if HAS_RIGHT:
+        visible = visible & (rel <= window_right)
+    if HAS_LEFT:
+        visible = visible & (rel >= -window_left)
+    return visible
+
+
+@triton.jit
+def tanh(x):
+    # exp2-based so it runs the same under the interpreter; saturates cleanly at +-1
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP: tl.constexpr):
+    """Raw q.k^T -> scores in log2 units (and tanh, for the softcap backward chain rule)."""
+    if SOFTCAP:
+        capped = tanh(qk * softcap_inv_scaled)  # tanh(scale * qk / softcap)
+        return capped * softcap_log2, capped
+    return qk * qk_scale_log2, qk
+
+
+@triton.jit
+def implicit_kv_range(
+    start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Key tiles for query rows [start_m, start_m + BM): PARTIAL [lo, full_lo), FULL [full_lo,
+    full_hi), PARTIAL [full_hi, hi). A tile is FULL only if every row sees every key in it.
+    Bounds are clamped to >= 0 before dividing: integer division of negatives differs between
+    the compiled kernel (truncation) and the interpreter (floor)."""
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    key_lo = 0
+    full_key_lo = 0
+    key_hi = seqlen_k
+    full_key_hi = seqlen_k
+    if HAS_LEFT:
+        key_lo = tl.maximum(start_m + diag_offset - window_left, 0)
+        full_key_lo = tl.maximum(last_m + diag_offset - window_left, 0)
+    if HAS_RIGHT:
+        key_hi = tl.maximum(tl.minimum(last_m + diag_offset + window_right + 1, seqlen_k), 0)
+        full_key_hi = tl.maximum(tl.minimum(start_m + diag_offset + window_right + 1, seqlen_k), 0)
+    lo = key_lo // BLOCK_N
+    hi = tl.maximum(tl.cdiv(key_hi, BLOCK_N), lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_key_lo, BLOCK_N), lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_key_hi // BLOCK_N, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def implicit_q_range(
+    start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Query tiles that see keys [start_n, start_n + BN), split like implicit_kv_range."""
+    last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    row_lo = 0
+    full_row_lo = 0
+    row_hi = seqlen_q
+    full_row_hi = seqlen_q
+    if HAS_RIGHT:
+        row_lo = tl.maximum(start_n - diag_offset - window_right, 0)
+        full_row_lo = tl.maximum(last_n - diag_offset - window_right, 0)
+    if HAS_LEFT:
+        row_hi = tl.maximum(tl.minimum(last_n - diag_offset + window_left + 1, seqlen_q), 0)
+        full_row_hi = tl.maximum(tl.minimum(start_n - diag_offset + window_left + 1, seqlen_q), 0)
+    lo = row_lo // BLOCK_M
+    hi = tl.maximum(tl.cdiv(row_hi, BLOCK_M), lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_row_lo, BLOCK_M), lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_row_hi // BLOCK_M, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def schedule_phase(
+    phase: tl.constexpr, EXPLICIT: tl.constexpr, placeholder, part_num, part_idx, full_num,
+    full_idx, lo, full_lo, full_hi, hi,
+):
+    """(tile_list, first_tile, num_tiles) of phase 0 (PARTIAL), 1 (FULL) or 2 (PARTIAL)."""
+    tile_list = placeholder
+    first_tile = 0
+    if EXPLICIT:
+        if phase == 0:
+            tile_list = part_idx
+            num_tiles = tl.load(part_num)
+        elif phase == 1:
+            tile_list = full_idx
+            num_tiles = tl.load(full_num)
+        else:
+            num_tiles = 0
+    else:
+        if phase == 0:
+            first_tile = lo
+            num_tiles = full_lo - lo
+        elif phase == 1:
+            first_tile = full_lo
+            num_tiles = full_hi - full_lo
+        else:
+            first_tile = full_hi
+            num_tiles = hi - full_hi
+    return tile_list, first_tile, num_tiles

@@ -1,0 +1,201 @@
+"""Forward kernel: one program per (query tile, batch x query head), online softmax over the key
+tiles its schedule lists. FULL tiles skip the predicate entirely; PARTIAL tiles apply it."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E, implicit_kv_range, schedule_phase, scores_log2, visible_elements
+from .configs import forward_config, padded_head_dim
+from .schedule import KernelArgs, Schedule
+
+
+@triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, EVEN_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile; masks only where the tile may cross the sequence or head dim."""
+    if EVEN_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if BLOCK_D == HEAD_DIM:
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
+    offs_m, offs_n, offs_d, stride_kn, stride_vn,
+    seqlen_k, diag_offset, window_left, window_right,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ..."""
+    for i in range(num_tiles):
+        if FROM_LIST:
+            tile_n = tl.load(tile_list + i)
+        else:
+            tile_n = first_tile + i
+        start_n = tile_n * BLOCK_N
+        keys = start_n + offs_n
+        k = load_rows(k_tile + start_n.to(tl.int64) * stride_kn, keys, seqlen_k, offs_d, EVEN_N,
+                      HEAD_DIM, BLOCK_D)  # [BN, BD]
+        v = load_rows(v_tile + start_n.to(tl.int64) * stride_vn, keys, seqlen_k, offs_d, EVEN_N,
+                      HEAD_DIM, BLOCK_D)  # [BN, BD]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+        s, _ = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        if PARTIAL:
+            visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
+                                       window_right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(visible, s, float("-inf"))
+        elif not EVEN_N:
+            # a FULL tile of an explicit schedule may still run past Sk
+            s = tl.where(keys[None, :] < seqlen_k, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with nothing visible yet keeps m = -inf; subtract 0 there so no inf - inf appears
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    KvNum, KvIdx, FullKvNum, FullKvIdx,
+    stride_knb, stride_knh, stride_knm,
+    stride_kib, stride_kih, stride_kim,
+    stride_fnb, stride_fnh, stride_fnm,
+    stride_fib, stride_fih, stride_fim,
+    seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    if REVERSE_M:
+        # causal: the longest rows start first, so the tail of the grid is short work
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // group
+    start_m = tile_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    local_m = tl.arange(0, BLOCK_M)
+
+    # int64 bases: batch/head/sequence offsets can pass 2**31 elements
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+        + start_m.to(tl.int64) * stride_qm
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BN, BD] at key 0
+    v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    q = load_rows(q_base + local_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
+                  offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo = 0
+    full_lo = 0
+    full_hi = 0
+    hi = 0
+    if not EXPLICIT:
+        lo, full_lo, full_hi, hi = implicit_kv_range(
+            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    kv_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
+    kv_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
+        + tile_m.to(tl.int64) * stride_kim
+    full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
+    full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
+        + tile_m.to(tl.int64) * stride_fim
+    # phases: PARTIAL tiles, FULL tiles, PARTIAL tiles (the last only for implicit schedules)
+    for phase in tl.static_range(3):
+        tile_list, first_tile, num_tiles = schedule_phase(
+            phase, EXPLICIT, KvIdx, kv_num, kv_idx, full_num, full_idx, lo, full_lo, full_hi, hi)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
+            offs_m, offs_n, offs_d, stride_kn, stride_vn,
+            seqlen_k, diag_offset, window_left, window_right,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+
+    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
+        + start_m.to(tl.int64) * stride_om + local_m[:, None] * stride_om + offs_d[None, :]
+    lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+    out = out.to(Out.dtype.element_ty)
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+        if BLOCK_D == HEAD_DIM:
+            tl.store(o_ptrs, out)
+        else:
+            tl.store(o_ptrs, out, mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+        tl.store(o_ptrs, out, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                      schedule: Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    cfg = forward_config(head_dim, q.dtype)
+    block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
+        else (cfg.block_m, cfg.block_n)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, num_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    if seqlen_k == 0:  # every row sees no key
+        return out.zero_(), lse.fill_(float("-inf"))
+    if out.numel() == 0:
+        return out, lse
+    n_tiles_m = triton.cdiv(seqlen_q, block_m)
+    sched = schedule.forward_operands(batch, num_heads, n_tiles_m) if schedule is not None \
+        else Schedule.placeholder_operands(q.device)
+    _fwd_kernel[(n_tiles_m, batch * num_heads)](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        *sched,
+        seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
+        args.window_left, args.window_right,
+        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
+        EXPLICIT=schedule is not None, EVEN_M=seqlen_q % block_m == 0,
+        EVEN_N=seqlen_k % block_n == 0,
+        REVERSE_M=schedule is None and args.has_right and not args.has_left,
+        DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

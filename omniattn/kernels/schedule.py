@@ -1,0 +1,148 @@
+"""Schedules: which key tiles each query tile visits (and, transposed, which query tiles each key
+tile visits), split into PARTIAL tiles (predicate applied) and FULL tiles (no predicate).
+
+Dense, causal and sliding-window schedules are implicit: the kernels derive tile ranges from
+(Sq, Sk, window) and read no metadata. Every other mask becomes an explicit BCSR `Schedule`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelArgs:
+    """Scalar arguments shared by every kernel launch of one attention call."""
+
+    softmax_scale: float
+    softcap: float
+    window_left: int  # -1 = unbounded
+    window_right: int  # -1 = unbounded; causal is 0
+
+    @staticmethod
+    def make(head_dim: int, causal: bool, window, softmax_scale, softcap) -> "KernelArgs":
+        left, right = window if window is not None else (-1, -1)
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        return KernelArgs(float(scale), float(softcap), int(left), int(right))
+
+    @staticmethod
+    def dot_precision(dtype: torch.dtype) -> str:
+        # fp32 inputs get exact IEEE products; fp16/bf16 products are exact on tensor cores anyway
+        return "ieee" if dtype == torch.float32 else "tf32"
+
+    @property
+    def has_left(self) -> bool:
+        return self.window_left >= 0
+
+    @property
+    def has_right(self) -> bool:
+        return self.window_right >= 0
+
+    @property
+    def qk_scale_log2(self) -> float:
+        return self.softmax_scale * math.log2(math.e)
+
+    @property
+    def softcap_inv_scaled(self) -> float:
+        return self.softmax_scale / self.softcap if self.softcap > 0 else 0.0
+
+    @property
+    def softcap_log2(self) -> float:
+        return self.softcap * math.log2(math.e)
+
+
+def _blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """(..., R) counts + (..., R, C) indices -> dense bool (..., R, n_cols) block picture."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None].long()
+    # unlisted slots scatter into a spare column that is dropped
+    target = torch.where(listed, indices.long(), n_cols)
+    blocks = torch.zeros(*num_blocks.shape, n_cols + 1, dtype=torch.bool, device=indices.device)
+    blocks.scatter_(-1, target, True)
+    return blocks[..., :n_cols]
+
+
+def _lists_from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense bool (..., R, C) -> int32 counts (..., R) and indices (..., R, C), listed ones first."""
+    num_blocks = blocks.sum(-1, dtype=torch.int32)
+    # stable sort of "not listed" puts the listed columns first, in increasing order
+    indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num_blocks, indices.contiguous()
+
+
+@dataclass
+class Schedule:
+    """Explicit BCSR schedule at the kernel's tile size (block_m, block_n).
+
+    kv_num_blocks (B|1, H|1, n_q_tiles) int32 and kv_indices (B|1, H|1, n_q_tiles, C) int32 list
+    the PARTIAL key tiles of each query tile; full_kv_* the FULL ones (FlexAttention's layout).
+    q_* / full_q_* are the transposed lists (per key tile, which query tiles) used by dK/dV.
+    """
+
+    block_m: int
+    block_n: int
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
+
+    @staticmethod
+    def from_kv_lists(block_m: int, block_n: int, n_tiles_k: int, kv_num_blocks, kv_indices,
+                      full_kv_num_blocks=None, full_kv_indices=None) -> "Schedule":
+        """Build a schedule (with its transposed lists) from the query-side lists."""
+        if full_kv_num_blocks is None:
+            full_kv_num_blocks = torch.zeros_like(kv_num_blocks)
+            full_kv_indices = torch.zeros_like(kv_indices[..., :1])
+        partial = _blocks_from_lists(kv_num_blocks, kv_indices, n_tiles_k)
+        full = _blocks_from_lists(full_kv_num_blocks, full_kv_indices, n_tiles_k)
+        q_num, q_idx = _lists_from_blocks(partial.transpose(-1, -2))
+        full_q_num, full_q_idx = _lists_from_blocks(full.transpose(-1, -2))
+        return Schedule(block_m, block_n, kv_num_blocks.int(), kv_indices.int().contiguous(),
+                        full_kv_num_blocks.int(), full_kv_indices.int().contiguous(),
+                        q_num, q_idx, full_q_num, full_q_idx)
+
+    @staticmethod
+    def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
+                    full: torch.Tensor | None = None) -> "Schedule":
+        """Build from dense bool block pictures (B|1, H|1, n_q_tiles, n_k_tiles)."""
+        if full is None:
+            full = torch.zeros_like(partial)
+        kv_num, kv_idx = _lists_from_blocks(partial)
+        full_num, full_idx = _lists_from_blocks(full)
+        q_num, q_idx = _lists_from_blocks(partial.transpose(-1, -2))
+        full_q_num, full_q_idx = _lists_from_blocks(full.transpose(-1, -2))
+        return Schedule(block_m, block_n, kv_num, kv_idx, full_num, full_idx,
+                        q_num, q_idx, full_q_num, full_q_idx)
+
+    @staticmethod
+    def _operands(num_blocks, indices, batch, heads, n_rows):
+        num = num_blocks.expand(batch, heads, n_rows)
+        idx = indices.expand(batch, heads, n_rows, indices.shape[-1])
+        return (num, idx), (*num.stride(), *idx.stride()[:3])
+
+    def _pair(self, num_a, idx_a, num_b, idx_b, batch, heads, n_rows):
+        (na, ia), sa = self._operands(num_a, idx_a, batch, heads, n_rows)
+        (nb, ib), sb = self._operands(num_b, idx_b, batch, heads, n_rows)
+        return (na, ia, nb, ib, *sa, *sb)
+
+    def forward_operands(self, batch: int, heads: int, n_tiles_m: int) -> tuple:
+        """Kernel operands: 4 tensors then the (b, h, row) strides of each, broadcasts as stride 0."""
+        return self._pair(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+                          self.full_kv_indices, batch, heads, n_tiles_m)
+
+    def transposed_operands(self, batch: int, heads: int, n_tiles_n: int) -> tuple:
+        return self._pair(self.q_num_blocks, self.q_indices, self.full_q_num_blocks,
+                          self.full_q_indices, batch, heads, n_tiles_n)
+
+    @staticmethod
+    def placeholder_operands(device: torch.device) -> tuple:
+        """Operands for implicit schedules: never read by the kernels."""
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy, dummy, dummy, dummy) + (0,) * 12
