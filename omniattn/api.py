@@ -82,8 +82,10 @@ def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError("dropout_p > 0 is not implemented yet: dropout (issue #5)")
@@ -145,8 +147,9 @@ def attention(
             raise NotImplementedError(f"{name} is not implemented yet: {_PENDING_FEATURES[name]}")
     _check_qkv(q, k, v)
     _check_options(causal, window, softmax_scale, softcap, dropout_p)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
     if _use_kernels(q):
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)

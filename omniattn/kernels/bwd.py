@@ -266,9 +266,10 @@ def _bwd_kernel(
 
 
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
-                       dlse: torch.Tensor | None = None):
+                       dlse: torch.Tensor | None = None, dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) shaped like (q, k, v); dk/dv are reduced over each KV group.
-    dlse (B, H, Sq), the gradient reaching lse, enters as delta - dlse (d lse / d s = p)."""
+    dlse (B, H, Sq), the gradient reaching lse, enters as delta - dlse (d lse / d s = p).
+    dq / dk / dv may be given (preallocated)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
@@ -276,8 +277,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     cfg = backward_config(head_dim, q.dtype)
     block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
         else (cfg.block_m, cfg.block_n)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
     if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta = torch.empty_like(lse)
@@ -289,9 +293,6 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     )
     if dlse is not None:
         delta -= dlse
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     n_tiles_m = triton.cdiv(seqlen_q, block_m)
     n_tiles_n = triton.cdiv(seqlen_k, block_n)
     if schedule is not None:

@@ -163,15 +163,18 @@ def _fwd_kernel(
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                      schedule: Schedule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32."""
+                      schedule: Schedule | None = None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32.
+    `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     cfg = forward_config(head_dim, q.dtype)
     block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
         else (cfg.block_m, cfg.block_n)
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, num_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q) if out is None else out
+    if lse is None:
+        lse = torch.empty((batch, num_heads, seqlen_q), device=q.device, dtype=torch.float32)
     if seqlen_k == 0:  # every row sees no key
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() == 0:

@@ -1,0 +1,186 @@
+"""`omniattn` command line: `bench` (speed), `check` (correctness self-test), `info` (environment)."""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import warnings
+
+import torch
+import triton
+
+import omniattn
+from omniattn.bench import (MODES, PROVIDERS, default_workloads, format_table, run_suite,
+                            write_json)
+from omniattn.kernels.configs import interpreting
+from omniattn.reference import attention_reference
+
+
+def _current_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _omniattn_path(device: torch.device) -> str:
+    """What omniattn.attention runs for tensors on `device` (mirrors api._use_kernels)."""
+    if device.type == "cuda":
+        return "Triton kernels"
+    if interpreting():
+        return "Triton kernels under the interpreter"
+    return "reference path"
+
+
+def _comma_list(choices):
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of "
+                                             f"{','.join(choices)}, got {text!r}")
+        return items
+
+    return parse
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    device = _current_device()
+    results = run_suite(default_workloads(device), providers=args.providers,
+                        modes=tuple(args.modes), device=device)
+    print(format_table(results))
+    if args.json:
+        write_json(args.json, results)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# name, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal
+_CHECK_CASES = [
+    ("dense", 2, 64, 64, 4, 4, 64, False),
+    ("causal", 2, 64, 64, 4, 4, 64, True),
+    ("gqa-causal", 2, 64, 64, 4, 2, 64, True),
+    ("odd-lengths-dense", 1, 17, 33, 4, 4, 64, False),
+    ("odd-lengths-causal", 1, 17, 33, 4, 4, 64, True),
+]
+
+
+def _output_and_grads(attn, q, k, v, dout, causal: bool) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of attn on fresh leaves made from q, k, v."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attn(*leaves, causal=causal)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+def _max_errors(tensors: list[torch.Tensor], gold: list[torch.Tensor]) -> list[float]:
+    return [(t.double() - g).abs().max().item() for t, g in zip(tensors, gold)]
+
+
+def run_check(args: argparse.Namespace) -> int:
+    device = _current_device()
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    atol = 1e-3 if dtype == torch.float16 else 1e-5
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"check: omniattn ({_omniattn_path(device)}) on {device.type} {dtype_name} against the "
+          f"float64 reference; bound = 2 x (reference in {dtype_name}) error + {atol:g}")
+    names = ("out", "dq", "dk", "dv")
+    failures = 0
+    for name, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal in _CHECK_CASES:
+        generator = torch.Generator(device).manual_seed(0)
+
+        def randn(seqlen, num_heads):
+            return torch.randn((batch, seqlen, num_heads, head_dim), generator=generator,
+                               device=device, dtype=dtype)
+
+        q, k, v = randn(seqlen_q, heads), randn(seqlen_k, heads_k), randn(seqlen_k, heads_k)
+        dout = randn(seqlen_q, heads)
+        gold = _output_and_grads(attention_reference, q.double(), k.double(), v.double(),
+                                 dout.double(), causal)
+        ours = _output_and_grads(omniattn.attention, q, k, v, dout, causal)
+        baseline = _output_and_grads(functools.partial(attention_reference, upcast=False),
+                                     q, k, v, dout, causal)
+        errors = _max_errors(ours, gold)
+        bounds = [2 * e + atol for e in _max_errors(baseline, gold)]
+        passed = all(e <= b for e, b in zip(errors, bounds))
+        failures += not passed
+        detail = "  ".join(f"{n} {e:.2e} (<= {b:.2e})" for n, e, b in zip(names, errors, bounds))
+        print(f"{'PASS' if passed else 'FAIL'}  {name:<20} {detail}")
+    print(f"{len(_CHECK_CASES) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+def _probe_sdpa(backend, device: torch.device) -> str:
+    """'available', or why a tiny call under this SDPA backend fails on `device`."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    # half precision is what the fused GPU backends need; the CPU runs float32
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 1, 16, 64, device=device, dtype=dtype)
+    # torch explains an unavailable backend in warnings and then raises a generic error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(backend):
+                scaled_dot_product_attention(q, q, q)
+        except RuntimeError as exc:
+            reasons = [str(w.message).strip().splitlines()[0] for w in caught] or [str(exc)]
+            return f"unavailable ({reasons[0]})"
+    return "available"
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from torch.nn.attention import SDPBackend
+
+    device = _current_device()
+    if device.type == "cuda":
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            print(f"device cuda:{index}: {props.name} (sm_{props.major}{props.minor}, "
+                  f"{props.total_memory / 2**30:.0f} GiB)")
+    else:
+        print(f"device: cpu ({platform.processor() or platform.machine()}); no CUDA device")
+    print(f"omniattn {omniattn.__version__}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {platform.python_version()}")
+    if device.type == "cuda":
+        print(f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    print(f"TRITON_INTERPRET: {os.environ.get('TRITON_INTERPRET', 'not set')}")
+    print("backends:")
+    print(f"  omniattn on {device.type}: {_omniattn_path(device)}")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        print(f"  SDPA {backend.name}: {_probe_sdpa(backend, device)}")
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        flex = "importable (benchmarked on CUDA only)"
+    except ImportError as exc:
+        flex = f"unavailable ({exc})"
+    print(f"  flex_attention: {flex}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omniattn", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench_parser = commands.add_parser(
+        "bench", help="time the default suite on cuda if available, else cpu")
+    bench_parser.add_argument("--json", metavar="PATH", help="also write environment and results")
+    bench_parser.add_argument("--providers", type=_comma_list(PROVIDERS), default=None,
+                              help=f"comma-separated, from {','.join(PROVIDERS)} "
+                                   f"(default: those suited to the device)")
+    bench_parser.add_argument("--modes", type=_comma_list(MODES), default=list(MODES),
+                              help=f"comma-separated, from {','.join(MODES)} (default: both)")
+    bench_parser.set_defaults(handler=run_bench)
+
+    commands.add_parser(
+        "check", help="compare output and gradients with the float64 reference"
+    ).set_defaults(handler=run_check)
+    commands.add_parser(
+        "info", help="devices, versions and available backends"
+    ).set_defaults(handler=run_info)
+
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

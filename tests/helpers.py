@@ -1,0 +1,64 @@
+"""Shared test machinery: random inputs, the float64 oracle and the error criterion.
+
+A result passes when its max error against the float64 reference is at most 2x the error of plain
+PyTorch in the same dtype (the reference with upcast=False), plus a small atol.
+"""
+from __future__ import annotations
+
+import torch
+
+from omniattn.reference import attention_reference
+
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-5}
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, device=DEVICE,
+               requires_grad=True):
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device=device, dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_k, head_dim, device=device, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max abs difference; matching infinities (lse of empty rows) count as 0, NaN as inf."""
+    actual = actual.double()
+    expected = expected.double()
+    both_inf = torch.isinf(actual) & torch.isinf(expected) & (actual == expected)
+    diff = torch.where(both_inf, torch.zeros_like(actual), (actual - expected).abs())
+    if torch.isnan(diff).any():
+        return float("inf")
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def assert_close(name: str, actual, expected, baseline, dtype) -> None:
+    err = max_error(actual, expected)
+    base = max_error(baseline, expected)
+    bound = 2 * base + ATOL[dtype]
+    assert err <= bound, f"{name}: error {err:.3g} > 2 x torch {base:.3g} + atol {ATOL[dtype]:.1g}"
+
+
+def oracle(q, k, v, dout, **kwargs):
+    """(out, lse, dq, dk, dv) of the float64 reference and of plain PyTorch in q's dtype."""
+    results = []
+    for upcast in (True, False):
+        inputs = [t.detach().double() if upcast else t.detach().clone() for t in (q, k, v)]
+        inputs = [t.requires_grad_() for t in inputs]
+        out, lse = attention_reference(*inputs, return_lse=True, upcast=upcast, **kwargs)
+        grads = torch.autograd.grad(out, inputs, dout.to(out.dtype))
+        results.append((out.detach(), lse.detach(), *grads))
+    return results
+
+
+def check_against_reference(out, lse, grads, q, k, v, dout, **kwargs) -> None:
+    """Compare kernel out/lse/(dq, dk, dv) with the oracle; grads may be None (forward only)."""
+    exact, plain = oracle(q, k, v, dout, **kwargs)
+    dtype = q.dtype
+    assert_close("out", out, exact[0], plain[0], dtype)
+    assert_close("lse", lse, exact[1], plain[1], torch.float32 if dtype == torch.float32 else dtype)
+    if grads is not None:
+        for name, got, ref, base in zip(("dq", "dk", "dv"), grads, exact[2:], plain[2:]):
+            assert_close(name, got, ref, base, dtype)

@@ -1,0 +1,351 @@
+"""Bad-input tests for `omniattn.attention`.
+
+Every error must be raised by validation, before anything is computed or launched, with the
+right exception type and a message naming the argument and what was expected. Tiny CPU tensors
+only, so the whole file runs in well under a second.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import omniattn
+import omniattn.api as api_mod
+from omniattn import attention
+
+B, S, H, D = 1, 4, 2, 8
+
+
+def make(*, b=B, sq=S, sk=None, h=H, hk=None, d=D, dtype=torch.float16, requires_grad=False):
+    sk = S if sk is None else sk
+    hk = h if hk is None else hk
+    q = torch.randn(b, sq, h, d, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(b, sk, hk, d, dtype=dtype)
+    v = torch.randn(b, sk, hk, d, dtype=dtype)
+    return q, k, v
+
+
+@pytest.fixture(autouse=True)
+def _no_compute(monkeypatch):
+    """Fail loudly if a bad-input call gets as far as a backend: errors must come first."""
+    def boom(*args, **kwargs):
+        raise AssertionError("a backend was called: validation should have rejected the input")
+    monkeypatch.setattr(api_mod, "triton_attention", boom)
+    monkeypatch.setattr(api_mod, "attention_reference", boom)
+
+
+def esc(s: str) -> str:
+    return re.escape(s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_control_valid_inputs_reach_backend(dtype):
+    q, k, v = make(dtype=dtype)
+    with pytest.raises(AssertionError, match="a backend was called"):
+        attention(q, k, v, causal=True, window=(2, 0), softmax_scale=0.5, softcap=30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.bool, torch.complex64])
+def test_q_unsupported_dtype(dtype):
+    q, k, v = make()
+    q = torch.zeros(B, S, H, D, dtype=dtype)
+    with pytest.raises(TypeError, match=esc(f"q has dtype {dtype}; expected torch.float16, "
+                                            f"torch.bfloat16 or torch.float32")):
+        attention(q, k, v)
+
+
+def test_v_unsupported_dtype():
+    q, k, v = make()
+    with pytest.raises(TypeError, match=r"^v has dtype torch\.float64; expected"):
+        attention(q, k, v.double())
+
+
+def test_mixed_dtypes():
+    q, k, v = make(dtype=torch.float16)
+    with pytest.raises(TypeError, match=esc("q, k, v must share one dtype, got torch.float16, "
+                                            "torch.float32, torch.float16")):
+        attention(q, k.float(), v)
+
+
+def test_mixed_dtypes_bf16_fp16():
+    q, k, v = make(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"q, k, v must share one dtype.*torch\.bfloat16, "
+                                        r"torch\.bfloat16, torch\.float16"):
+        attention(q, k, v.half())
+
+
+@pytest.mark.parametrize("bad", [[[1.0]], None, 3.0, "q"])
+def test_q_not_a_tensor(bad):
+    _, k, v = make()
+    with pytest.raises(TypeError, match=f"^q must be a torch.Tensor, got {type(bad).__name__}$"):
+        attention(bad, k, v)
+
+
+def test_k_not_a_tensor_numpy():
+    np = pytest.importorskip("numpy")
+    q, k, v = make()
+    with pytest.raises(TypeError, match="^k must be a torch.Tensor, got ndarray$"):
+        attention(q, np.zeros((B, S, H, D), dtype=np.float16), v)
+
+
+def test_q_3d_without_cu_seqlens():
+    q, k, v = make()
+    q3 = q.reshape(B * S, H, D)
+    with pytest.raises(ValueError, match=r"^q must be 4-D \(batch, seqlen, heads, head_dim\), "
+                                         r"got shape \(4, 2, 8\).*cu_seqlens_q/k"):
+        attention(q3, k, v)
+
+
+def test_k_5d():
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"^k must be 4-D .*got shape \(1, 1, 4, 2, 8\)"):
+        attention(q, k.unsqueeze(0), v)
+
+
+def test_q_3d_with_cu_seqlens_is_not_implemented_yet():
+    """Packed varlen inputs are a later feature: the varlen error wins over the rank error."""
+    q, k, v = make()
+    cu = torch.tensor([0, S], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"^cu_seqlens_q is not implemented yet: varlen"):
+        attention(q.reshape(B * S, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D),
+                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
+
+
+def test_k_v_shape_mismatch():
+    q, k, _ = make()
+    v = torch.randn(B, S + 1, H, D, dtype=q.dtype)
+    with pytest.raises(ValueError, match=esc("k and v must have the same shape (B, Sk, Hk, D), "
+                                             "got k (1, 4, 2, 8) and v (1, 5, 2, 8)")):
+        attention(q, k, v)
+
+
+def test_k_v_head_dim_mismatch():
+    """A different value head dim is not supported: reported as a k/v shape mismatch."""
+    q, k, _ = make()
+    v = torch.randn(B, S, H, 2 * D, dtype=q.dtype)
+    with pytest.raises(ValueError, match=r"k and v must have the same shape.*v \(1, 4, 2, 16\)"):
+        attention(q, k, v)
+
+
+def test_batch_mismatch():
+    q, _, _ = make()
+    _, k, v = make(b=2)
+    with pytest.raises(ValueError, match="^k has batch size 2 but q has 1$"):
+        attention(q, k, v)
+
+
+def test_head_dim_mismatch():
+    q, _, _ = make(d=8)
+    _, k, v = make(d=16)
+    with pytest.raises(ValueError, match=r"^k/v have head_dim 16 but q has 8$"):
+        attention(q, k, v)
+
+
+def test_head_dim_too_large():
+    q, k, v = make(d=320)
+    with pytest.raises(ValueError, match=r"^head_dim must be in \[1, 256\], got 320 "
+                                         r"\(q shape \(1, 4, 2, 320\)"):
+        attention(q, k, v)
+
+
+def test_head_dim_zero():
+    q, k, v = make(d=0)
+    with pytest.raises(ValueError, match=r"^head_dim must be in \[1, 256\], got 0"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("h,hk", [(3, 2), (2, 4), (2, 0)])
+def test_heads_not_multiple_of_kv_heads(h, hk):
+    q, k, v = make(h=h, hk=hk)
+    with pytest.raises(ValueError, match=esc(f"the number of query heads ({h}) must be a multiple "
+                                             f"of the number of key/value heads ({hk}) for GQA/MQA")):
+        attention(q, k, v)
+
+
+def test_q_transposed_view_not_contiguous_in_last_dim():
+    q, k, v = make()
+    qt = torch.randn(B, S, D, H, dtype=q.dtype).transpose(2, 3)  # shape (B, S, H, D), stride(-1)=H
+    assert qt.shape == q.shape and qt.stride(-1) != 1
+    with pytest.raises(ValueError, match=esc(f"q must be contiguous in its last (head_dim) "
+                                             f"dimension, got strides {qt.stride()}; call "
+                                             f"q.contiguous() first")):
+        attention(qt, k, v)
+
+
+def test_v_broadcast_last_dim_not_contiguous():
+    q, k, _ = make()
+    v = torch.randn(B, S, H, 1, dtype=q.dtype).expand(B, S, H, D)  # stride(-1) == 0
+    with pytest.raises(ValueError, match=r"^v must be contiguous in its last \(head_dim\) "
+                                         r"dimension.*call v\.contiguous\(\) first"):
+        attention(q, k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed devices need a CUDA GPU")
+def test_mixed_devices():
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"^q, k, v must be on one device, got cpu, cuda:0, cpu$"):
+        attention(q, k.cuda(), v)
+
+
+@pytest.mark.parametrize("causal", [1, 0, None, "True", torch.tensor(True)])
+def test_causal_not_bool(causal):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^causal must be a bool, got {type(causal).__name__}$"):
+        attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("window", [3, (1,), (1, 2, 3), (1.0, 2), (True, 0), "ab", {0: 1, 1: 2}])
+def test_window_wrong_type(window):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=esc(f"window must be a (left, right) pair of ints, "
+                                            f"got {window!r}")):
+        attention(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("window", [(-2, 0), (0, -5), [-3, -3]])
+def test_window_below_minus_one(window):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=esc(f"window offsets must be >= 0, or -1 for unbounded, "
+                                             f"got {tuple(window)}")):
+        attention(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, -1e-6, float("-inf"), float("inf"), float("nan")])
+def test_softcap_negative_or_not_finite(softcap):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=esc(f"softcap must be a finite number >= 0 (0 disables it), "
+                                             f"got {softcap}")):
+        attention(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [None, "30", True])
+def test_softcap_wrong_type(softcap):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^softcap must be a float, got {type(softcap).__name__}$"):
+        attention(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0, -0.5, float("nan"), float("inf"), float("-inf")])
+def test_softmax_scale_not_finite_positive(scale):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=esc(f"softmax_scale must be a finite positive number, "
+                                             f"got {scale}")):
+        attention(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, torch.tensor(0.1)])
+def test_softmax_scale_wrong_type(scale):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^softmax_scale must be a float or None, got "
+                                        f"{type(scale).__name__}$"):
+        attention(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("p", ["0.1", None, False])
+def test_dropout_p_wrong_type(p):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^dropout_p must be a float, got {type(p).__name__}$"):
+        attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_p_out_of_range(p):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=esc(f"dropout_p must be a float in [0, 1), got {p!r}")):
+        attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.999])
+def test_dropout_p_positive_not_implemented(p):
+    q, k, v = make()
+    with pytest.raises(NotImplementedError, match=r"^dropout_p > 0 is not implemented yet: "
+                                                  r"dropout \(issue #5\)$"):
+        attention(q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("det", [1, None, "yes"])
+def test_deterministic_not_bool(det):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^deterministic must be a bool, got {type(det).__name__}$"):
+        attention(q, k, v, deterministic=det)
+
+
+@pytest.mark.parametrize("ret", [1, "no", None])
+def test_return_lse_not_bool(ret):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=f"^return_lse must be a bool, got {type(ret).__name__}$"):
+        attention(q, k, v, return_lse=ret)
+
+
+def _pending_value(name):
+    if name == "attn_mask":
+        return torch.ones(B, H, S, S, dtype=torch.bool)
+    if name == "attn_bias":
+        return torch.zeros(B, H, S, S, dtype=torch.float16)
+    if name == "block_mask":
+        return object()
+    if name == "seqlens_k_per_row":
+        return torch.full((B, S), S, dtype=torch.int32)
+    if name in ("cu_seqlens_q", "cu_seqlens_k"):
+        return torch.tensor([0, S], dtype=torch.int32)
+    return S  # max_seqlen_q / max_seqlen_k
+
+
+@pytest.mark.parametrize("name,feature", [
+    ("attn_mask", "element masks (issue #4, dynamic mask attention)"),
+    ("attn_bias", "additive bias (issue #4, dynamic mask attention)"),
+    ("block_mask", "block masks (issue #3)"),
+    ("seqlens_k_per_row", "per-row key lengths (issue #5)"),
+    ("cu_seqlens_q", "varlen (issue #5)"),
+    ("cu_seqlens_k", "varlen (issue #5)"),
+    ("max_seqlen_q", "varlen (issue #5)"),
+    ("max_seqlen_k", "varlen (issue #5)"),
+])
+def test_pending_feature_not_implemented(name, feature):
+    q, k, v = make()
+    with pytest.raises(NotImplementedError, match=f"^{esc(name)} is not implemented yet: "
+                                                  f"{esc(feature)}$"):
+        attention(q, k, v, **{name: _pending_value(name)})
+
+
+def test_options_are_keyword_only():
+    q, k, v = make()
+    with pytest.raises(TypeError, match="positional argument"):
+        attention(q, k, v, True)
+
+
+def test_unknown_keyword_sdpa_style():
+    q, k, v = make()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'is_causal'"):
+        attention(q, k, v, is_causal=True)
+
+
+def test_error_leaves_inputs_and_grads_untouched(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api_mod, "triton_attention", lambda *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(api_mod, "attention_reference", lambda *a, **kw: calls.append("ref"))
+
+    q, _, v = make(dtype=torch.float32, requires_grad=True)
+    k = torch.randn(B, S, H, 2 * D, dtype=torch.float32)  # bad: head_dim 16 vs q's 8
+    v = torch.randn(B, S, H, 2 * D, dtype=torch.float32)
+    q_before, k_before, v_before = q.detach().clone(), k.clone(), v.clone()
+
+    # pytest.raises fails the test if any *other* exception type escapes
+    with pytest.raises(ValueError, match=r"^k/v have head_dim 16 but q has 8$"):
+        attention(q, k, v, causal=True)
+
+    assert calls == []
+    assert q.grad is None
+    assert torch.equal(q.detach(), q_before)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
+    # q is still a plain leaf
+    assert q.is_leaf and q.grad_fn is None
+    # q is still usable afterwards
+    (q * 2).sum().backward()
+    assert torch.equal(q.grad, torch.full_like(q, 2.0))
+
+
+def test_public_export():
+    assert omniattn.attention is api_mod.attention
