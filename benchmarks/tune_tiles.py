@@ -12,15 +12,26 @@ import triton
 
 from omniattn.kernels import configs
 from omniattn.kernels.bwd import attention_backward
-from omniattn.kernels.configs import TileConfig
+from omniattn.kernels.configs import BwdTileConfig, TileConfig
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
 
-FWD_CANDIDATES = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
-                  (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
-BWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2),
-                  (128, 128, 8, 2), (32, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]
-WORKLOADS = [("dense-4k", 2, 4096, False), ("causal-4k", 2, 4096, True), ("dense-16k", 1, 16384, False)]
+FWD_CANDIDATES = {
+    64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4), (64, 128, 4, 3)],
+    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 2), (64, 32, 4, 3)],
+}
+# (block_m1, block_n1, block_m2, block_n2, warps, stages)
+BWD_CANDIDATES = {
+    64: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 2),
+         (32, 64, 64, 32, 4, 3)],
+    128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3), (32, 128, 128, 32, 4, 2),
+          (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3),
+          (16, 128, 128, 16, 4, 3), (32, 128, 64, 64, 4, 2)],
+    256: [(32, 32, 32, 32, 4, 1), (32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 1),
+          (16, 64, 64, 16, 4, 2)],
+}
+WORKLOADS = [("dense-4k", 2, 4096, False), ("causal-4k", 2, 4096, True)]
 
 
 def main():
@@ -39,10 +50,12 @@ def main():
             dout = torch.randn_like(out)
             pairs = seqlen * seqlen * (0.5 if causal else 1.0)
             flops = 4 * batch * 16 * head_dim * pairs
-            for kind, candidates, table in (("fwd", FWD_CANDIDATES, configs._FWD),
-                                            ("bwd", BWD_CANDIDATES, configs._BWD)):
+            for kind, candidates, table, make in (
+                    ("fwd", FWD_CANDIDATES[key], configs._FWD, TileConfig),
+                    ("bwd", BWD_CANDIDATES[key], configs._BWD, BwdTileConfig)):
+                chosen = table[(key, causal)]
                 for cand in candidates:
-                    table[key] = TileConfig(*cand)
+                    table[(key, causal)] = make(*cand)
                     fn = (lambda: attention_forward(q, k, v, args)) if kind == "fwd" else \
                         (lambda: attention_backward(dout, q, k, v, out, lse, args))
                     try:
@@ -54,8 +67,9 @@ def main():
                     tflops = flops * (2.5 if kind == "bwd" else 1.0) / ms * 1e-9
                     rows.append(dict(head_dim=head_dim, workload=name, kind=kind, config=cand,
                                      ms=ms, tflops=tflops))
-                    print(f"D{head_dim:<4}{name:<11}{kind:<4}{str(cand):<20}{ms:8.3f} ms "
+                    print(f"D{head_dim:<4}{name:<11}{kind:<4}{str(cand):<26}{ms:8.3f} ms "
                           f"{tflops:6.0f} TFLOP/s", flush=True)
+                table[(key, causal)] = chosen
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
@@ -67,7 +81,7 @@ def main():
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
     for (d, w, kind), r in sorted(best.items()):
-        print(f"D{d:<4}{w:<11}{kind:<4}{str(r['config']):<20}{r['ms']:8.3f} ms {r['tflops']:6.0f}")
+        print(f"D{d:<4}{w:<11}{kind:<4}{str(r['config']):<26}{r['ms']:8.3f} ms {r['tflops']:6.0f}")
 
 
 if __name__ == "__main__":

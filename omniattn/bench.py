@@ -236,7 +236,7 @@ def run_suite(
     bar = _progress_bar(len(workloads) * len(modes) * len(providers), progress)
     results = []
     for workload in workloads:
-        tile = forward_config(workload.head_dim, workload.dtype)
+        tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
         pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal,
                                tile.block_m, tile.block_n)
         exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal)
@@ -292,10 +292,17 @@ def _git_commit() -> str | None:
     return lines[1] if Path(lines[0]).resolve() == checkout else None
 
 
+def device_name() -> str:
+    """The GPU's name, or the CPU's architecture where there is none."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
 def environment_info() -> dict:
     cuda = torch.cuda.is_available()
     return {
-        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine()),
+        "device": device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),

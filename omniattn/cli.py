@@ -1,4 +1,4 @@
-"""`omniattn` command line: `bench` (speed), `check` (correctness self-test), `info` (environment)."""
+"""`omniattn` command line: `bench` (speed), `check` (correctness), `info` (environment)."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,8 @@ import torch
 import triton
 
 import omniattn
-from omniattn.bench import (MODES, PROVIDERS, default_workloads, format_table, run_suite,
-                            write_json)
+from omniattn.bench import (MODES, PROVIDERS, default_workloads, device_name, format_table,
+                            run_suite, write_json)
 from omniattn.kernels.configs import interpreting
 from omniattn.reference import attention_reference
 
@@ -137,9 +137,9 @@ def run_info(args: argparse.Namespace) -> int:
             print(f"device cuda:{index}: {props.name} (sm_{props.major}{props.minor}, "
                   f"{props.total_memory / 2**30:.0f} GiB)")
     else:
-        print(f"device: cpu ({platform.processor() or platform.machine()}); no CUDA device")
-    print(f"omniattn {omniattn.__version__}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {platform.python_version()}")
+        print(f"device: cpu ({device_name()}); no CUDA device")
+    print(f"omniattn {omniattn.__version__}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, python {platform.python_version()}")
     if device.type == "cuda":
         print(f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
     print(f"TRITON_INTERPRET: {os.environ.get('TRITON_INTERPRET', 'not set')}")

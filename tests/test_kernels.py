@@ -94,10 +94,12 @@ GQA = ((8, 8), (8, 2), (8, 1))
 
 
 def _gpu_matrix():
-    """dtype x head dim x mask in full; lengths and GQA ratios rotate through the product."""
+    """dtype x head dim x mask in full for fp16/bf16 (fp32 on two head dims: its IEEE-dot kernels
+    compile slowly); lengths and GQA ratios rotate through the product."""
     cases = []
-    for i, (dtype, head_dim, mask) in enumerate(itertools.product(
-            (torch.bfloat16, torch.float16, torch.float32), HEAD_DIMS, MASKS)):
+    combos = list(itertools.product((torch.bfloat16, torch.float16), HEAD_DIMS, MASKS))
+    combos += list(itertools.product((torch.float32,), (64, 96), MASKS))
+    for i, (dtype, head_dim, mask) in enumerate(combos):
         seqlen_q, seqlen_k = LENGTHS[i % len(LENGTHS)]
         heads, heads_k = GQA[i % len(GQA)]
         cases.append((2, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask, 0.0))

@@ -143,9 +143,11 @@ def _bwd_kernel(
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
+    EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -159,16 +161,16 @@ def _bwd_kernel(
 
     if pid < n_tiles_n:
         # dK/dV of key tile `pid`, summed over the query heads of this KV head
-        start_n = pid * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        local_n = tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
+        start_n = pid * BLOCK_N1
+        offs_n = start_n + tl.arange(0, BLOCK_N1)
+        local_n = tl.arange(0, BLOCK_N1)
+        offs_m = tl.arange(0, BLOCK_M1)
         k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + local_n[:, None] * stride_kn
-                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N1, HEAD_DIM, BLOCK_D)
         v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
-                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N1, HEAD_DIM, BLOCK_D)
+        dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
         lo = 0
         full_lo = 0
         full_hi = 0
@@ -176,7 +178,7 @@ def _bwd_kernel(
         if not EXPLICIT:
             lo, full_lo, full_hi, hi = implicit_q_range(
                 start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT)
         for g in range(group):
             off_h = off_hk * group + g
             q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
@@ -200,8 +202,8 @@ def _bwd_kernel(
                     tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d,
                     stride_qm, stride_dom, seqlen_q, seqlen_k, diag_offset,
                     window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                    EXPLICIT, phase != 1, EVEN_M, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+                    EXPLICIT, phase != 1, EVEN_M1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HEAD_DIM, BLOCK_D, BLOCK_M1, DOT_PRECISION)
         dk = dk * softmax_scale
         dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
             + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
@@ -215,16 +217,16 @@ def _bwd_kernel(
         work = pid - n_tiles_n
         tile_m = work % n_tiles_m
         off_h = off_hk * group + work // n_tiles_m
-        start_m = tile_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        local_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
+        start_m = tile_m * BLOCK_M2
+        offs_m = start_m + tl.arange(0, BLOCK_M2)
+        local_m = tl.arange(0, BLOCK_M2)
+        offs_n = tl.arange(0, BLOCK_N2)
         q = load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
                       + start_m.to(tl.int64) * stride_qm + local_m[:, None] * stride_qm
-                      + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+                      + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M2, HEAD_DIM, BLOCK_D)
         do = load_rows(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
                        + start_m.to(tl.int64) * stride_dom + local_m[:, None] * stride_dom
-                       + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+                       + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M2, HEAD_DIM, BLOCK_D)
         lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
         delta_ptrs = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh \
             + offs_m
@@ -233,7 +235,7 @@ def _bwd_kernel(
         delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
         k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
         v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
         lo = 0
         full_lo = 0
         full_hi = 0
@@ -241,7 +243,7 @@ def _bwd_kernel(
         if not EXPLICIT:
             lo, full_lo, full_hi, hi = implicit_kv_range(
                 start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT)
         part_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
         part_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
             + tile_m.to(tl.int64) * stride_kim
@@ -256,8 +258,8 @@ def _bwd_kernel(
                 dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
                 offs_m, offs_n, offs_d, stride_kn, stride_vn, seqlen_k, diag_offset,
                 window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+                EXPLICIT, phase != 1, EVEN_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HEAD_DIM, BLOCK_D, BLOCK_N2, DOT_PRECISION)
         dq = dq * softmax_scale
         dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
             + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
@@ -274,9 +276,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
-    cfg = backward_config(head_dim, q.dtype)
-    block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
-        else (cfg.block_m, cfg.block_n)
+    cfg = backward_config(head_dim, q.dtype, masked=args.has_left or args.has_right)
+    # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
+    # reverse with (block_m2, block_n2). Explicit schedules fix both to the schedule's tiles.
+    if schedule is not None:
+        block_m1 = block_m2 = schedule.block_m
+        block_n1 = block_n2 = schedule.block_n
+    else:
+        block_m1, block_n1, block_m2, block_n2 = cfg.block_m1, cfg.block_n1, cfg.block_m2, cfg.block_n2
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -293,8 +300,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     )
     if dlse is not None:
         delta -= dlse
-    n_tiles_m = triton.cdiv(seqlen_q, block_m)
-    n_tiles_n = triton.cdiv(seqlen_k, block_n)
+    n_tiles_m = triton.cdiv(seqlen_q, block_m2)
+    n_tiles_n = triton.cdiv(seqlen_k, block_n1)
     if schedule is not None:
         fwd_sched = schedule.forward_operands(batch, num_heads, n_tiles_m)
         t_sched = schedule.transposed_operands(batch, num_heads, n_tiles_n)
@@ -315,10 +322,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
-        EXPLICIT=schedule is not None, EVEN_M=seqlen_q % block_m == 0,
-        EVEN_N=seqlen_k % block_n == 0, DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        EXPLICIT=schedule is not None,
+        EVEN_M1=seqlen_q % block_m1 == 0, EVEN_N1=seqlen_k % block_n1 == 0,
+        EVEN_M2=seqlen_q % block_m2 == 0, EVEN_N2=seqlen_k % block_n2 == 0, DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq, dk, dv
