@@ -27,7 +27,8 @@ BWD_CANDIDATES = {
          (32, 64, 64, 32, 4, 3)],
     128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 4, 3), (32, 128, 128, 32, 4, 2),
           (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3),
-          (16, 128, 128, 16, 4, 3), (32, 128, 64, 64, 4, 2)],
+          (16, 128, 128, 16, 4, 3), (32, 128, 64, 64, 4, 2), (64, 128, 128, 64, 8, 3),
+          (32, 64, 64, 64, 4, 3), (64, 64, 128, 64, 8, 2)],
     256: [(32, 32, 32, 32, 4, 1), (32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 1),
           (16, 64, 64, 16, 4, 2)],
 }
@@ -38,6 +39,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--head-dims", default="128")
+    parser.add_argument("--kinds", default="fwd,bwd")
     opts = parser.parse_args()
     rows = []
     for head_dim in map(int, opts.head_dims.split(",")):
@@ -53,6 +55,8 @@ def main():
             for kind, candidates, table, make in (
                     ("fwd", FWD_CANDIDATES[key], configs._FWD, TileConfig),
                     ("bwd", BWD_CANDIDATES[key], configs._BWD, BwdTileConfig)):
+                if kind not in opts.kinds.split(","):
+                    continue
                 chosen = table[(key, causal)]
                 for cand in candidates:
                     table[(key, causal)] = make(*cand)

@@ -124,6 +124,141 @@ def _dq_tiles(
 
 
 @triton.jit
+def _dkdv_program(
+    tile_n, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
+    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
+    QNum, QIdx, FullQNum, FullQIdx,
+    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+    seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`."""
+    start_n = tile_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    local_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + local_n[:, None] * stride_kn
+                  + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+    v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
+                  + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    full_lo = 0
+    full_hi = 0
+    hi = 0
+    if not EXPLICIT:
+        lo, full_lo, full_hi, hi = implicit_q_range(
+            start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(group):
+        off_h = off_hk * group + g
+        q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+            + offs_m[:, None] * stride_qm + offs_d[None, :]
+        do_tile = DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
+            + offs_m[:, None] * stride_dom + offs_d[None, :]
+        lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        part_num = QNum + off_b * stride_qnb + off_h * stride_qnh + tile_n * stride_qnn
+        part_idx = QIdx + off_b.to(tl.int64) * stride_qib + off_h.to(tl.int64) * stride_qih \
+            + tile_n.to(tl.int64) * stride_qin
+        full_num = FullQNum + off_b * stride_gnb + off_h * stride_gnh + tile_n * stride_gnn
+        full_idx = FullQIdx + off_b.to(tl.int64) * stride_gib \
+            + off_h.to(tl.int64) * stride_gih + tile_n.to(tl.int64) * stride_gin
+        for phase in tl.static_range(3):
+            tile_list, first_tile, num_tiles = schedule_phase(
+                phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
+                lo, full_lo, full_hi, hi)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile,
+                tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d,
+                stride_qm, stride_dom, seqlen_q, seqlen_k, diag_offset,
+                window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                EXPLICIT, phase != 1, EVEN_M, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+    dk = dk * softmax_scale
+    dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
+        + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh \
+        + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
+    store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _dq_program(
+    tile_m, off_b, off_h, Q, DOut, Lse, Delta, DQ, k_base, v_base,
+    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+    KvNum, KvIdx, FullKvNum, FullKvIdx,
+    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ of query tile `tile_m` of query head `off_h`."""
+    start_m = tile_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                  + start_m.to(tl.int64) * stride_qm + local_m[:, None] * stride_qm
+                  + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+    do = load_rows(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                   + start_m.to(tl.int64) * stride_dom + local_m[:, None] * stride_dom
+                   + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M, HEAD_DIM, BLOCK_D)
+    row_base = off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+    lse = tl.load(Lse + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    full_lo = 0
+    full_hi = 0
+    hi = 0
+    if not EXPLICIT:
+        lo, full_lo, full_hi, hi = implicit_kv_range(
+            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    part_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
+    part_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
+        + tile_m.to(tl.int64) * stride_kim
+    full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
+    full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
+        + tile_m.to(tl.int64) * stride_fim
+    for phase in tl.static_range(3):
+        tile_list, first_tile, num_tiles = schedule_phase(
+            phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,
+            lo, full_lo, full_hi, hi)
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
+            offs_m, offs_n, offs_d, stride_kn, stride_vn, seqlen_k, diag_offset,
+            window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+    dq = dq * softmax_scale
+    dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
+        + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     stride_qb, stride_qm, stride_qh,
@@ -155,116 +290,34 @@ def _bwd_kernel(
     num_heads_k = num_heads // group
     off_b = off_bhk // num_heads_k
     off_hk = off_bhk % num_heads_k
-    offs_d = tl.arange(0, BLOCK_D)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-
     if pid < n_tiles_n:
-        # dK/dV of key tile `pid`, summed over the query heads of this KV head
-        start_n = pid * BLOCK_N1
-        offs_n = start_n + tl.arange(0, BLOCK_N1)
-        local_n = tl.arange(0, BLOCK_N1)
-        offs_m = tl.arange(0, BLOCK_M1)
-        k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + local_n[:, None] * stride_kn
-                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N1, HEAD_DIM, BLOCK_D)
-        v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
-                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N1, HEAD_DIM, BLOCK_D)
-        dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-        lo = 0
-        full_lo = 0
-        full_hi = 0
-        hi = 0
-        if not EXPLICIT:
-            lo, full_lo, full_hi, hi = implicit_q_range(
-                start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT)
-        for g in range(group):
-            off_h = off_hk * group + g
-            q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
-                + offs_m[:, None] * stride_qm + offs_d[None, :]
-            do_tile = DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
-                + offs_m[:, None] * stride_dom + offs_d[None, :]
-            lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-            delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-            part_num = QNum + off_b * stride_qnb + off_h * stride_qnh + pid * stride_qnn
-            part_idx = QIdx + off_b.to(tl.int64) * stride_qib + off_h.to(tl.int64) * stride_qih \
-                + pid.to(tl.int64) * stride_qin
-            full_num = FullQNum + off_b * stride_gnb + off_h * stride_gnh + pid * stride_gnn
-            full_idx = FullQIdx + off_b.to(tl.int64) * stride_gib \
-                + off_h.to(tl.int64) * stride_gih + pid.to(tl.int64) * stride_gin
-            for phase in tl.static_range(3):
-                tile_list, first_tile, num_tiles = schedule_phase(
-                    phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
-                    lo, full_lo, full_hi, hi)
-                dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile,
-                    tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d,
-                    stride_qm, stride_dom, seqlen_q, seqlen_k, diag_offset,
-                    window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                    EXPLICIT, phase != 1, EVEN_M1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HEAD_DIM, BLOCK_D, BLOCK_M1, DOT_PRECISION)
-        dk = dk * softmax_scale
-        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
-            + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
-        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh \
-            + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
-        store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+        _dkdv_program(
+            pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
+            stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
+            stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            stride_lb, stride_lh, QNum, QIdx, FullQNum, FullQIdx,
+            stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+            stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+            seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
     else:
-        # dQ of one query tile of one query head of this KV group
         work = pid - n_tiles_n
-        tile_m = work % n_tiles_m
-        off_h = off_hk * group + work // n_tiles_m
-        start_m = tile_m * BLOCK_M2
-        offs_m = start_m + tl.arange(0, BLOCK_M2)
-        local_m = tl.arange(0, BLOCK_M2)
-        offs_n = tl.arange(0, BLOCK_N2)
-        q = load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                      + start_m.to(tl.int64) * stride_qm + local_m[:, None] * stride_qm
-                      + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M2, HEAD_DIM, BLOCK_D)
-        do = load_rows(DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                       + start_m.to(tl.int64) * stride_dom + local_m[:, None] * stride_dom
-                       + offs_d[None, :], offs_m, seqlen_q, offs_d, EVEN_M2, HEAD_DIM, BLOCK_D)
-        lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
-        delta_ptrs = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh \
-            + offs_m
-        lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
-        k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
-        dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-        lo = 0
-        full_lo = 0
-        full_hi = 0
-        hi = 0
-        if not EXPLICIT:
-            lo, full_lo, full_hi, hi = implicit_kv_range(
-                start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT)
-        part_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
-        part_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
-            + tile_m.to(tl.int64) * stride_kim
-        full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
-        full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
-            + tile_m.to(tl.int64) * stride_fim
-        for phase in tl.static_range(3):
-            tile_list, first_tile, num_tiles = schedule_phase(
-                phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,
-                lo, full_lo, full_hi, hi)
-            dq = _dq_tiles(
-                dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
-                offs_m, offs_n, offs_d, stride_kn, stride_vn, seqlen_k, diag_offset,
-                window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                EXPLICIT, phase != 1, EVEN_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HEAD_DIM, BLOCK_D, BLOCK_N2, DOT_PRECISION)
-        dq = dq * softmax_scale
-        dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
-            + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+        _dq_program(
+            work % n_tiles_m, off_b, off_hk * group + work // n_tiles_m,
+            Q, DOut, Lse, Delta, DQ, k_base, v_base,
+            stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
+            stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
+            KvNum, KvIdx, FullKvNum, FullKvIdx,
+            stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+            stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+            seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
 
 
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
