@@ -41,27 +41,28 @@ def interpreting() -> bool:
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 _INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1)
 
-# forward, keyed by (padded head dim, masked = causal or window)
+# forward, keyed by (padded head dim, masked = causal or window). Numbers: H200, bf16, H16,
+# 4k (dense B2 / causal B2), benchmarks/tune_tiles.py; D32 has not been swept and follows D64.
 _FWD = {
-    (32, False): TileConfig(128, 128, 8, 3),
+    (32, False): TileConfig(128, 128, 4, 3),
     (32, True): TileConfig(64, 64, 4, 3),
-    (64, False): TileConfig(128, 128, 8, 3),
-    (64, True): TileConfig(64, 64, 4, 3),
-    (128, False): TileConfig(128, 128, 8, 3),  # H200 dense 4k: 0.579 ms vs 1.13 for (128,64,4,3)
-    (128, True): TileConfig(64, 64, 4, 3),  # H200 causal 4k: 0.338 ms vs 0.363 for (128,128,8,3)
-    (256, False): TileConfig(64, 64, 4, 2),
-    (256, True): TileConfig(64, 64, 4, 2),
+    (64, False): TileConfig(128, 128, 4, 3),  # 0.336 ms; (128, 128, 8, 3) 0.407
+    (64, True): TileConfig(64, 64, 4, 3),  # 0.215 ms; (128, 64, 4, 3) 0.231
+    (128, False): TileConfig(128, 128, 8, 3),  # 0.587 ms; (128, 64, 4, 3) 1.13
+    (128, True): TileConfig(64, 64, 4, 3),  # 0.338-0.360 ms; (128, 128, 8, 3) 0.361
+    (256, False): TileConfig(128, 64, 8, 2),  # 1.22 ms; (64, 64, 4, 2) 2.2
+    (256, True): TileConfig(128, 64, 8, 2),  # 0.697 ms; (64, 64, 4, 3) 0.804
 }
-# backward (dK/dV and dQ programs of one launch), keyed like _FWD
+# backward, keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages)
 _BWD = {
-    (32, False): BwdTileConfig(64, 64, 64, 64, 4, 2),
-    (32, True): BwdTileConfig(64, 64, 64, 64, 4, 2),
-    (64, False): BwdTileConfig(64, 64, 64, 64, 4, 2),
-    (64, True): BwdTileConfig(64, 64, 64, 64, 4, 2),
-    (128, False): BwdTileConfig(64, 64, 64, 64, 4, 2),  # H200 dense 4k: 2.26 ms, best square tile
-    (128, True): BwdTileConfig(64, 64, 64, 64, 4, 2),  # H200 causal 4k: 1.08 ms
-    (256, False): BwdTileConfig(32, 32, 32, 32, 4, 1),
-    (256, True): BwdTileConfig(32, 32, 32, 32, 4, 1),
+    (32, False): BwdTileConfig(32, 64, 64, 32, 4, 3),
+    (32, True): BwdTileConfig(32, 64, 64, 32, 4, 3),
+    (64, False): BwdTileConfig(32, 64, 64, 32, 4, 3),  # 0.980 ms; (64, 64, 64, 64, 4, 2) 1.10
+    (64, True): BwdTileConfig(32, 64, 64, 32, 4, 3),  # 0.594 ms; (64, 64, 64, 64, 4, 2) 0.619
+    (128, False): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.764 ms; (64, 64, 64, 64, 4, 2) 2.36
+    (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07
+    (256, False): BwdTileConfig(64, 64, 64, 64, 8, 1),  # 10.0 ms; (32, 32, 32, 32, 4, 1) 12.2
+    (256, True): BwdTileConfig(32, 32, 32, 32, 4, 1),  # 6.29 ms; (64, 64, 64, 64, 8, 1) 6.93
 }
 # fp32 inputs use IEEE dots (exact fp32, no tensor cores): small tiles keep registers in budget
 _FP32 = TileConfig(32, 32, 4, 1)
