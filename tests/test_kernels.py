@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from omniattn.kernels import configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -137,3 +138,16 @@ def test_unlisted_tiles_are_never_loaded():
     assert torch.isfinite(out).all() and torch.isfinite(dq).all()
     assert torch.isfinite(dk[:, hidden:]).all() and torch.isfinite(dv[:, hidden:]).all()
     assert (dk[:, :hidden] == 0).all() and (dv[:, :hidden] == 0).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(GPU, reason="the GPU matrix runs the tuned tiles")
+@pytest.mark.parametrize("fwd_tiles, bwd_tiles", [((32, 16), (16, 32, 32, 16)),
+                                                  ((16, 32), (32, 16, 16, 32))])
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_non_square_tiles(monkeypatch, fwd_tiles, bwd_tiles, mask):
+    """Tile ranges and tails stay right when query and key tiles differ, and when the dK/dV
+    programs' tiles differ from the dQ programs' (as the tuned GPU configs do)."""
+    monkeypatch.setattr(configs, "_INTERPRETER", configs.TileConfig(*fwd_tiles, 1, 1))
+    monkeypatch.setattr(configs, "_INTERPRETER_BWD", configs.BwdTileConfig(*bwd_tiles, 1, 1))
+    check_case(1, 45, 71, 2, 1, 16, torch.float16, mask)

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, implicit_q_range, schedule_phase, scores_log2,
-                     visible_elements)
+from .common import (LOG2E, implicit_kv_range, implicit_q_range, schedule_phase, schedule_rows,
+                     scores_log2, visible_elements)
 from .configs import backward_config, padded_head_dim
 from .fwd import load_rows
 from .schedule import KernelArgs, Schedule
@@ -150,14 +150,9 @@ def _dkdv_program(
                   + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    full_lo = 0
-    full_hi = 0
-    hi = 0
-    if not EXPLICIT:
-        lo, full_lo, full_hi, hi = implicit_q_range(
-            start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = implicit_q_range(
+        start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(group):
         off_h = off_hk * group + g
         q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
@@ -166,12 +161,10 @@ def _dkdv_program(
             + offs_m[:, None] * stride_dom + offs_d[None, :]
         lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
         delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-        part_num = QNum + off_b * stride_qnb + off_h * stride_qnh + tile_n * stride_qnn
-        part_idx = QIdx + off_b.to(tl.int64) * stride_qib + off_h.to(tl.int64) * stride_qih \
-            + tile_n.to(tl.int64) * stride_qin
-        full_num = FullQNum + off_b * stride_gnb + off_h * stride_gnh + tile_n * stride_gnn
-        full_idx = FullQIdx + off_b.to(tl.int64) * stride_gib \
-            + off_h.to(tl.int64) * stride_gih + tile_n.to(tl.int64) * stride_gin
+        part_num, part_idx, full_num, full_idx = schedule_rows(
+            QNum, QIdx, FullQNum, FullQIdx, off_b, off_h, tile_n,
+            stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+            stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin)
         for phase in tl.static_range(3):
             tile_list, first_tile, num_tiles = schedule_phase(
                 phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
@@ -227,20 +220,13 @@ def _dq_program(
     k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    full_lo = 0
-    full_hi = 0
-    hi = 0
-    if not EXPLICIT:
-        lo, full_lo, full_hi, hi = implicit_kv_range(
-            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    part_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
-    part_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
-        + tile_m.to(tl.int64) * stride_kim
-    full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
-    full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
-        + tile_m.to(tl.int64) * stride_fim
+    lo, full_lo, full_hi, hi = implicit_kv_range(
+        start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    part_num, part_idx, full_num, full_idx = schedule_rows(
+        KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
+        stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
     for phase in tl.static_range(3):
         tile_list, first_tile, num_tiles = schedule_phase(
             phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,

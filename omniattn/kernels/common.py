@@ -95,7 +95,8 @@ def schedule_phase(
     phase: tl.constexpr, EXPLICIT: tl.constexpr, placeholder, part_num, part_idx, full_num,
     full_idx, lo, full_lo, full_hi, hi,
 ):
-    """(tile_list, first_tile, num_tiles) of phase 0 (PARTIAL), 1 (FULL) or 2 (PARTIAL)."""
+    """(tile_list, first_tile, num_tiles) of phase 0 (PARTIAL), 1 (FULL) or 2 (PARTIAL): from
+    the explicit lists, or from the implicit ranges [lo, full_lo), [full_lo, full_hi), [full_hi, hi)."""
     tile_list = placeholder
     first_tile = 0
     if EXPLICIT:
@@ -118,3 +119,20 @@ def schedule_phase(
             first_tile = full_hi
             num_tiles = hi - full_hi
     return tile_list, first_tile, num_tiles
+
+
+@triton.jit
+def schedule_rows(
+    Num, Idx, FullNum, FullIdx, off_b, off_h, row,
+    stride_nb, stride_nh, stride_nr, stride_ib, stride_ih, stride_ir,
+    stride_fnb, stride_fnh, stride_fnr, stride_fib, stride_fih, stride_fir,
+):
+    """Pointers to one row of an explicit schedule: (partial count, partial list, full count,
+    full list) of (batch, head, tile row); broadcast dims have stride 0."""
+    part_num = Num + off_b * stride_nb + off_h * stride_nh + row * stride_nr
+    part_idx = Idx + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih \
+        + row.to(tl.int64) * stride_ir
+    full_num = FullNum + off_b * stride_fnb + off_h * stride_fnh + row * stride_fnr
+    full_idx = FullIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
+        + row.to(tl.int64) * stride_fir
+    return part_num, part_idx, full_num, full_idx

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, implicit_kv_range, schedule_phase, scores_log2, visible_elements
+from .common import (LOG2E, implicit_kv_range, schedule_phase, schedule_rows, scores_log2,
+                     visible_elements)
 from .configs import forward_config, padded_head_dim
 from .schedule import KernelArgs, Schedule
 
@@ -117,20 +118,14 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo = 0
-    full_lo = 0
-    full_hi = 0
-    hi = 0
-    if not EXPLICIT:
-        lo, full_lo, full_hi, hi = implicit_kv_range(
-            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    kv_num = KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm
-    kv_idx = KvIdx + off_b.to(tl.int64) * stride_kib + off_h.to(tl.int64) * stride_kih \
-        + tile_m.to(tl.int64) * stride_kim
-    full_num = FullKvNum + off_b * stride_fnb + off_h * stride_fnh + tile_m * stride_fnm
-    full_idx = FullKvIdx + off_b.to(tl.int64) * stride_fib + off_h.to(tl.int64) * stride_fih \
-        + tile_m.to(tl.int64) * stride_fim
+    # both are cheap scalar work; schedule_phase reads the one the schedule kind needs
+    lo, full_lo, full_hi, hi = implicit_kv_range(
+        start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    kv_num, kv_idx, full_num, full_idx = schedule_rows(
+        KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
+        stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
     # phases: PARTIAL tiles, FULL tiles, PARTIAL tiles (the last only for implicit schedules)
     for phase in tl.static_range(3):
         tile_list, first_tile, num_tiles = schedule_phase(
