@@ -8,10 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, implicit_q_range, schedule_phase, schedule_rows,
-                     scores_log2, visible_elements)
+from .common import (LOG2E, implicit_kv_range, implicit_q_range, load_rows, schedule_phase,
+                     schedule_rows, scores_log2, visible_elements)
 from .configs import backward_config, padded_head_dim
-from .fwd import load_rows
 from .schedule import KernelArgs, Schedule
 
 
@@ -315,7 +314,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
-    cfg = backward_config(head_dim, q.dtype, masked=args.has_left or args.has_right)
+    cfg = backward_config(head_dim, q.dtype, masked=args.masked)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
     # reverse with (block_m2, block_n2). Explicit schedules fix both to the schedule's tiles.
     if schedule is not None:

@@ -6,6 +6,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, EVEN_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile; masks only where the tile may cross the sequence or head dim."""
+    if EVEN_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if BLOCK_D == HEAD_DIM:
+        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
 def visible_elements(
     offs_m, offs_n, seqlen_k, diag_offset, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,

@@ -6,23 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, schedule_phase, schedule_rows, scores_log2,
-                     visible_elements)
+from .common import (LOG2E, implicit_kv_range, load_rows, schedule_phase, schedule_rows,
+                     scores_log2, visible_elements)
 from .configs import forward_config, padded_head_dim
 from .schedule import KernelArgs, Schedule
-
-
-@triton.jit
-def load_rows(ptrs, rows, n_rows, offs_d, EVEN_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile; masks only where the tile may cross the sequence or head dim."""
-    if EVEN_ROWS:
-        if BLOCK_D == HEAD_DIM:
-            return tl.load(ptrs)
-        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    if BLOCK_D == HEAD_DIM:
-        return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
 
 @triton.jit
@@ -164,7 +151,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    cfg = forward_config(head_dim, q.dtype, masked=args.has_left or args.has_right)
+    cfg = forward_config(head_dim, q.dtype, masked=args.masked)
     block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
         else (cfg.block_m, cfg.block_n)
     out = torch.empty_like(q) if out is None else out

@@ -43,6 +43,11 @@ class KernelArgs:
         return self.window_right >= 0
 
     @property
+    def masked(self) -> bool:
+        """Causal or windowed: some tiles are PARTIAL, which changes the best tile shape."""
+        return self.has_left or self.has_right
+
+    @property
     def qk_scale_log2(self) -> float:
         return self.softmax_scale * math.log2(math.e)
 
