@@ -6,8 +6,9 @@ import math
 import torch
 
 from .autograd import triton_attention
-from .kernels.configs import interpreting
+from .kernels.configs import forward_config, interpreting
 from .kernels.schedule import KernelArgs
+from .masks.block_mask import BlockMask, RelativePredicate
 from .reference import attention_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -17,7 +18,6 @@ MAX_HEAD_DIM = 256
 _PENDING_FEATURES = {
     "attn_mask": "element masks (issue #4, dynamic mask attention)",
     "attn_bias": "additive bias (issue #4, dynamic mask attention)",
-    "block_mask": "block masks (issue #3)",
     "seqlens_k_per_row": "per-row key lengths (issue #5)",
     "cu_seqlens_q": "varlen (issue #5)",
     "cu_seqlens_k": "varlen (issue #5)",
@@ -91,6 +91,30 @@ def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
         raise NotImplementedError("dropout_p > 0 is not implemented yet: dropout (issue #5)")
 
 
+def _check_block_mask(block_mask, q, k) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be an omniattn.BlockMask, got {type(block_mask).__name__}"
+                        f" (a FlexAttention BlockMask converts with omniattn.BlockMask.from_flex)")
+    batch, seqlen_q, num_heads = q.shape[:3]
+    mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
+    if block_mask.seq_lengths != (seqlen_q, k.shape[1]):
+        raise ValueError(f"block_mask was built for (Sq, Sk) = {block_mask.seq_lengths}, but q/k "
+                         f"have Sq = {seqlen_q}, Sk = {k.shape[1]}")
+    if mask_batch not in (1, batch) or mask_heads not in (1, num_heads):
+        raise ValueError(f"block_mask lists have batch/head dims ({mask_batch}, {mask_heads}); "
+                         f"expected (1 or {batch}, 1 or {num_heads})")
+    if block_mask.kv_indices.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.kv_indices.device} but q is on {q.device}")
+
+
+def _kernel_tile(block: int, preferred: int) -> int:
+    """Largest power-of-two tile <= preferred (>= 16) dividing the mask's block."""
+    tile = preferred
+    while block % tile:
+        tile //= 2
+    return tile
+
+
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
@@ -127,6 +151,8 @@ def attention(
             -1 = unbounded on that side. ANDed with causal.
         softmax_scale: defaults to 1 / sqrt(D).
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
+        block_mask: an omniattn.BlockMask for (Sq, Sk): only its listed blocks are computed; its
+            PARTIAL blocks apply its own causal/window predicate; ANDed with causal/window.
         deterministic: the backward pass is always deterministic (no atomics); accepted for
             compatibility.
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log), -inf for a row
@@ -135,10 +161,10 @@ def attention(
     Returns:
         out (B, Sq, H, D) in q's dtype (0 on rows that see no key), or (out, lse).
 
-    attn_mask, attn_bias, block_mask, seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and
-    dropout_p > 0 belong to later features and raise NotImplementedError until they land.
+    attn_mask, attn_bias, seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and dropout_p > 0 belong
+    to later features and raise NotImplementedError until they land.
     """
-    pending = {"attn_mask": attn_mask, "attn_bias": attn_bias, "block_mask": block_mask,
+    pending = {"attn_mask": attn_mask, "attn_bias": attn_bias,
                "seqlens_k_per_row": seqlens_k_per_row, "cu_seqlens_q": cu_seqlens_q,
                "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}
@@ -151,11 +177,24 @@ def attention(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
+    if block_mask is not None:
+        _check_block_mask(block_mask, q, k)
+
     if _use_kernels(q):
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
-        out, lse = triton_attention(q, k, v, args)
+        schedule = None
+        if block_mask is not None:
+            outer = RelativePredicate(args.window_left, args.window_right)
+            merged = outer & block_mask.predicate
+            # PARTIAL tiles apply attention's predicate ANDed with the mask's own
+            args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
+            cfg = forward_config(q.shape[-1], q.dtype, masked=True)
+            schedule = block_mask.kernel_schedule(_kernel_tile(block_mask.block_size[0], cfg.block_m),
+                                                  _kernel_tile(block_mask.block_size[1], cfg.block_n),
+                                                  outer)
+        out, lse = triton_attention(q, k, v, args, schedule)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
-                                       return_lse=True)
+                                       block_mask=block_mask, return_lse=True)
     return (out, lse) if return_lse else out

@@ -14,6 +14,8 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .masks.block_mask import FULL, PARTIAL
+
 __all__ = ["attention_reference"]
 
 
@@ -40,6 +42,18 @@ def _visible_keys(
     if left >= 0:
         visible &= rel >= -left
     return visible
+
+
+def _block_mask_keep(block_mask, q_idx, seqlen_q, seqlen_k, device) -> torch.Tensor:
+    """Bool (B|1, H|1, c, Sk) visibility of rows q_idx under a BlockMask."""
+    states = block_mask.element_states(q_idx.to(block_mask.kv_indices.device), seqlen_k).to(device)
+    predicate = block_mask.predicate
+    by_predicate = _visible_keys(q_idx, seqlen_q, seqlen_k, False,
+                                 (predicate.left, predicate.right), device)
+    partial_keep = states == PARTIAL
+    if by_predicate is not None:
+        partial_keep &= by_predicate
+    return (states == FULL) | partial_keep
 
 
 def _as_5d(t: torch.Tensor, num_heads_k: int, group: int) -> torch.Tensor:
@@ -89,6 +103,7 @@ def attention_reference(
     softcap: float = 0.0,
     attn_mask: torch.Tensor | None = None,
     attn_bias: torch.Tensor | None = None,
+    block_mask=None,
     seqlens_k_per_row: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
@@ -102,6 +117,8 @@ def attention_reference(
     k/v (total_k, Hk, D) with int32 cu_seqlens_q/k (B+1). attn_mask (bool, True = keep, or numeric,
     nonzero = keep) and attn_bias broadcastable to (B, Hm, Sq, Sk) with Hm in {1, Hk, H} (varlen:
     (total_q, Hm, max_seqlen_k)). seqlens_k_per_row: (B, Sq) or (B*Sq,), row i sees keys [0, len).
+    block_mask: an omniattn.BlockMask (B|1, H|1 lists): FULL blocks visible, PARTIAL blocks apply
+    its predicate, other blocks hidden; expanded one chunk of rows at a time.
 
     Returns out (like q, in q's dtype) and, if return_lse, lse (B, H, Sq) float32 (varlen: (H, total_q)).
     With upcast=True the arithmetic is float32 (float64 inputs stay float64); with upcast=False it
@@ -147,6 +164,10 @@ def attention_reference(
         if mask5 is not None:
             m = mask5[..., start:stop, :] if mask5.shape[3] != 1 else mask5
             keep = m if keep is None else keep & m
+        if block_mask is not None:
+            by_blocks = _block_mask_keep(block_mask, q_idx, seqlen_q, seqlen_k, q.device)
+            by_blocks = _as_5d(by_blocks, num_heads_k, group)
+            keep = by_blocks if keep is None else keep & by_blocks
         if row_lens is not None:
             k_idx = torch.arange(seqlen_k, device=q.device)
             by_len = k_idx.view(1, 1, 1, 1, -1) < row_lens[:, start:stop].view(batch, 1, 1, -1, 1)

@@ -284,8 +284,6 @@ def _pending_value(name):
         return torch.ones(B, H, S, S, dtype=torch.bool)
     if name == "attn_bias":
         return torch.zeros(B, H, S, S, dtype=torch.float16)
-    if name == "block_mask":
-        return object()
     if name == "seqlens_k_per_row":
         return torch.full((B, S), S, dtype=torch.int32)
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
@@ -296,7 +294,6 @@ def _pending_value(name):
 @pytest.mark.parametrize("name,feature", [
     ("attn_mask", "element masks (issue #4, dynamic mask attention)"),
     ("attn_bias", "additive bias (issue #4, dynamic mask attention)"),
-    ("block_mask", "block masks (issue #3)"),
     ("seqlens_k_per_row", "per-row key lengths (issue #5)"),
     ("cu_seqlens_q", "varlen (issue #5)"),
     ("cu_seqlens_k", "varlen (issue #5)"),
@@ -308,6 +305,30 @@ def test_pending_feature_not_implemented(name, feature):
     with pytest.raises(NotImplementedError, match=f"^{esc(name)} is not implemented yet: "
                                                   f"{esc(feature)}$"):
         attention(q, k, v, **{name: _pending_value(name)})
+
+
+def test_block_mask_wrong_type():
+    q, k, v = make()
+    with pytest.raises(TypeError, match=r"^block_mask must be an omniattn.BlockMask, got object "
+                                        r"\(a FlexAttention BlockMask converts with "):
+        attention(q, k, v, block_mask=object())
+
+
+def test_block_mask_wrong_lengths():
+    q, k, v = make()
+    mask = omniattn.causal_block_mask(S + 16, S, block_size=16)
+    with pytest.raises(ValueError, match=esc(f"block_mask was built for (Sq, Sk) = ({S + 16}, {S}), "
+                                             f"but q/k have Sq = {S}, Sk = {S}")):
+        attention(q, k, v, block_mask=mask)
+
+
+def test_block_mask_wrong_heads():
+    q, k, v = make()
+    mask = omniattn.block_mask_from_blocks(torch.ones(1, H + 1, 1, 1, dtype=torch.bool), 16,
+                                           seq_lengths=(S, S))
+    with pytest.raises(ValueError, match=esc(f"block_mask lists have batch/head dims (1, {H + 1}); "
+                                             f"expected (1 or {B}, 1 or {H})")):
+        attention(q, k, v, block_mask=mask)
 
 
 def test_options_are_keyword_only():

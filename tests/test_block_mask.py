@@ -1,0 +1,153 @@
+"""BlockMask: builders against brute force, attention(block_mask=) against the reference with the
+equivalent dense element mask (kernels under the interpreter or on the GPU, and the CPU path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omniattn
+from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask
+from test_schedule import predicate
+
+BLOCK_SIZES = [16, 32, 48, (16, 64), (64, 32)]
+
+
+def element_visibility(mask: BlockMask) -> torch.Tensor:
+    """(B|1, H|1, Sq, Sk) bool, expanded in full: test-only, tiny shapes."""
+    seqlen_q, seqlen_k = mask.seq_lengths
+    block_q, block_k = mask.block_size
+    states = mask.states.repeat_interleave(block_q, 2).repeat_interleave(block_k, 3)
+    states = states[..., :seqlen_q, :seqlen_k]
+    left, right = mask.predicate.left, mask.predicate.right
+    by_predicate = predicate(seqlen_q, seqlen_k, False, (left, right)).to(states.device)
+    return (states == FULL) | ((states == PARTIAL) & by_predicate)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=str)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(100, 100), (37, 150), (150, 37), (1, 64)])
+@pytest.mark.parametrize("kind", ["causal", "window", "causal_window"])
+def test_builders_are_exact(block_size, seqlen_q, seqlen_k, kind):
+    causal, window = {"causal": (True, None), "window": (False, (20, 7)),
+                      "causal_window": (True, (33, -1))}[kind]
+    if kind == "causal":
+        mask = omniattn.causal_block_mask(seqlen_q, seqlen_k, block_size)
+    else:
+        mask = omniattn.window_block_mask(seqlen_q, seqlen_k, window, causal, block_size)
+    exact = predicate(seqlen_q, seqlen_k, causal, window).cpu()
+    assert torch.equal(element_visibility(mask)[0, 0].cpu(), exact)
+    # FULL exactly where a block is all visible, absent exactly where none is
+    block_q, block_k = mask.block_size
+    for qb in range(mask.n_blocks[0]):
+        for kb in range(mask.n_blocks[1]):
+            tile = exact[qb * block_q:(qb + 1) * block_q, kb * block_k:(kb + 1) * block_k]
+            expected = FULL if tile.all() else PARTIAL if tile.any() else HIDDEN
+            assert mask.states[0, 0, qb, kb] == expected
+
+
+def test_constructor_checks():
+    num = torch.tensor([[[1]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_size\\[0\\] must be a positive multiple of 16"):
+        BlockMask(num, torch.zeros(1, 1, 1, 1, dtype=torch.int32), block_size=(24, 16))
+    with pytest.raises(ValueError, match="kv_indices lists a key block outside \\[0, 2\\)"):
+        BlockMask(num, torch.tensor([[[[2]]]], dtype=torch.int32), block_size=16,
+                  seq_lengths=(16, 32))
+    with pytest.raises(ValueError, match="a FULL block does not satisfy"):
+        # block (0, 1) lies above the diagonal: it cannot be FULL under causal
+        BlockMask(torch.zeros_like(num), torch.zeros(1, 1, 1, 1, dtype=torch.int32), num,
+                  torch.tensor([[[[1]]]], dtype=torch.int32), block_size=16, seq_lengths=(16, 32),
+                  causal=True)
+
+
+def test_repr_picture_and_transposed_lists():
+    mask = omniattn.causal_block_mask(64, 64, 32)
+    assert repr(mask) == ("BlockMask(shape=(1, 1, 64, 64), block_size=(32, 32), density=0.750, "
+                          "partial blocks apply causal)")
+    assert mask.to_string() == "+.\n#+"
+    q_num, q_idx, full_q_num, full_q_idx = mask.transposed
+    assert q_num.flatten().tolist() == [1, 1] and full_q_num.flatten().tolist() == [1, 0]
+    assert q_idx[0, 0, 0, 0] == 0 and q_idx[0, 0, 1, 0] == 1 and full_q_idx[0, 0, 0, 0] == 1
+
+
+def test_kernel_schedule_is_cached():
+    mask = omniattn.causal_block_mask(64, 64, 32)
+    predicate_none = mask.predicate.make()
+    assert mask.kernel_schedule(16, 16, predicate_none) is mask.kernel_schedule(16, 16, predicate_none)
+
+
+def test_flex_round_trip():
+    blocks = torch.rand(2, 3, 4, 5, generator=torch.Generator().manual_seed(0)) > 0.5
+    mask = omniattn.block_mask_from_blocks(blocks, (32, 16), seq_lengths=(120, 70))
+    flex = mask.to_flex()
+    back = BlockMask.from_flex(flex)
+    assert back.block_size == (32, 16) and back.seq_lengths == (120, 70)
+    assert torch.equal(back.states, mask.states)
+    causal = omniattn.causal_block_mask(96, 96, 32)
+    assert torch.equal(BlockMask.from_flex(causal.to_flex(), causal=True).states, causal.states)
+
+
+def random_block_mask(batch, heads, seqlen_q, seqlen_k, block_size, density, seed):
+    block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
+    n_q, n_k = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    blocks = torch.rand(batch, heads, n_q, n_k, generator=torch.Generator().manual_seed(seed))
+    blocks = blocks < density
+    blocks[..., 0, :] = False  # the first query block sees nothing
+    return omniattn.block_mask_from_blocks(blocks.to(DEVICE), (block_q, block_k),
+                                           seq_lengths=(seqlen_q, seqlen_k))
+
+
+CASES = [
+    # B, Sq, Sk, H, Hk, D, dtype, mask batch/heads, block size, density, causal, window
+    (2, 70, 50, 4, 2, 32, torch.float16, (1, 1), 16, 0.5, False, None),
+    (1, 64, 96, 4, 1, 16, torch.float32, (1, 4), 32, 0.6, True, None),
+    (2, 45, 45, 2, 2, 32, torch.float16, (2, 2), (16, 32), 0.7, False, (10, 3)),
+]
+if GPU:
+    CASES = [(b, sq * 8, sk * 8, h, hk, d, torch.bfloat16 if dt == torch.float16 else dt, bh,
+              bs if isinstance(bs, int) and bs > 16 else 64, dens, c, w)
+             for (b, sq, sk, h, hk, d, dt, bh, bs, dens, c, w) in CASES]
+    CASES.append((1, 1000, 1300, 8, 2, 128, torch.bfloat16, (1, 8), (128, 256), 0.3, True, None))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_attention_with_block_mask(case):
+    batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, (mb, mh), block_size, density, \
+        causal, window = case
+    mask = random_block_mask(mb, mh, seqlen_q, seqlen_k, block_size, density, seqlen_q)
+    visible = element_visibility(mask) & predicate(seqlen_q, seqlen_k, causal, window)
+    torch.manual_seed(seqlen_k)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, causal=causal, window=window, block_mask=mask,
+                                  return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert (out[:, :mask.block_size[0]] == 0).all()
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, (32, 16)], ids=str)
+def test_causal_block_mask_equals_causal(block_size):
+    """The mask's own predicate runs in its PARTIAL blocks: no causal=True needed."""
+    torch.manual_seed(0)
+    seqlen = 256 if GPU else 50
+    block_size = (128, 64) if GPU and block_size == 32 else block_size
+    q, k, v = random_qkv(1, seqlen, seqlen + 13, 2, 1, 32, torch.float16)
+    dout = torch.randn_like(q)
+    mask = omniattn.causal_block_mask(seqlen, seqlen + 13, block_size, device=DEVICE)
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=True)
+
+
+def test_cpu_reference_backend_with_block_mask(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    mask = random_block_mask(1, 2, 40, 56, 16, 0.5, 3)
+    mask = BlockMask(mask.kv_num_blocks.cpu(), mask.kv_indices.cpu(),
+                     mask.full_kv_num_blocks.cpu(), mask.full_kv_indices.cpu(),
+                     block_size=mask.block_size, seq_lengths=mask.seq_lengths)
+    q, k, v = random_qkv(1, 40, 56, 2, 2, 16, torch.float32, device="cpu")
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, causal=True, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    visible = element_visibility(mask) & predicate(40, 56, True, None).cpu()
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
