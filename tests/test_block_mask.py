@@ -52,11 +52,24 @@ def test_constructor_checks():
     with pytest.raises(ValueError, match="kv_indices lists a key block outside \\[0, 2\\)"):
         BlockMask(num, torch.tensor([[[[2]]]], dtype=torch.int32), block_size=16,
                   seq_lengths=(16, 32))
-    with pytest.raises(ValueError, match="a FULL block does not satisfy"):
-        # block (0, 1) lies above the diagonal: it cannot be FULL under causal
-        BlockMask(torch.zeros_like(num), torch.zeros(1, 1, 1, 1, dtype=torch.int32), num,
-                  torch.tensor([[[[1]]]], dtype=torch.int32), block_size=16, seq_lengths=(16, 32),
-                  causal=True)
+    with pytest.raises(ValueError, match="seq_lengths\\[0\\] = 40 needs 3 query blocks of 16"):
+        BlockMask(num, torch.zeros(1, 1, 1, 1, dtype=torch.int32), block_size=16,
+                  seq_lengths=(40, 16))
+
+
+def test_full_blocks_ignore_the_mask_predicate():
+    """FlexAttention semantics: a FULL block above the diagonal of a causal mask stays visible;
+    only ANDing attention's own window over such a block is refused (not silently wrong)."""
+    states = torch.tensor([[[[PARTIAL, FULL], [FULL, PARTIAL]]]], dtype=torch.int8, device=DEVICE)
+    mask = BlockMask.from_states(states, 16, (32, 32), causal=True)
+    assert element_visibility(mask)[0, 0, 0, 16:].all()
+    q, k, v = random_qkv(1, 32, 32, 2, 2, 16, torch.float16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
+    with pytest.raises(NotImplementedError, match="FULL blocks that its own causal/window"):
+        omniattn.attention(q, k, v, block_mask=mask, window=(3, 3))
 
 
 def test_repr_picture_and_transposed_lists():

@@ -3,10 +3,10 @@ PARTIAL blocks apply.
 
 Blocks are (BQ, BK) = `block_size`, any multiples of 16, independent of the kernel's tiles: the
 kernels run it through `kernel_schedule`, which maps user blocks onto kernel tiles.
-A block is FULL (every element visible, no predicate), PARTIAL (the predicate decides each element)
-or absent (hidden, never loaded). The predicate is relative to the bottom-right aligned diagonal,
-like `attention`'s own: `causal` and/or `window=(left, right)`. FULL blocks must satisfy it on every
-element (checked at construction), so ANDing it with `attention(causal=, window=)` is exact.
+A block is FULL (every element visible, no predicate: FlexAttention's semantics), PARTIAL (the
+predicate decides each element) or absent (hidden, never loaded). The predicate is relative to the
+bottom-right aligned diagonal, like `attention`'s own: `causal` and/or `window=(left, right)`.
+`attention(causal=, window=)` ANDs its own predicate with all of it.
 """
 from __future__ import annotations
 
@@ -116,7 +116,6 @@ class BlockMask:
         self.seq_lengths = (int(seqlen_q), int(seqlen_k))
         self.predicate = RelativePredicate.make(causal, window)
         self._check_indices()
-        self._check_full_blocks_satisfy_predicate()
         self._kernel_schedules: dict[tuple, Schedule] = {}
 
     @classmethod
@@ -193,16 +192,6 @@ class BlockMask:
         states = self.states[:, :, q_idx // block_q]
         return states[..., torch.arange(seqlen_k, device=states.device) // block_k]
 
-    def _check_full_blocks_satisfy_predicate(self) -> None:
-        if self.predicate.unbounded:
-            return
-        block_states = self.predicate.classify(*self.seq_lengths, *self.block_size,
-                                               device=self.kv_indices.device)
-        full = _blocks_from_lists(self.full_kv_num_blocks, self.full_kv_indices, self.n_blocks[1])
-        if (full & (block_states != FULL)).any():
-            raise ValueError("a FULL block does not satisfy the mask's causal/window predicate on "
-                             "all its elements; list such blocks as PARTIAL (kv_indices)")
-
     def kernel_schedule(self, block_m: int, block_n: int, predicate: RelativePredicate) -> Schedule:
         """Schedule at kernel tiles (block_m, block_n) that divide the user blocks, for
         attention's own `predicate` ANDed with this mask's. A tile is FULL when its user block is
@@ -229,6 +218,14 @@ class BlockMask:
         outer = predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
         merged = (predicate & self.predicate).classify(*self.seq_lengths, block_m, block_n,
                                                        device=device)
+        # the kernels apply one predicate (the merged one) in PARTIAL tiles: a FULL block that
+        # attention's predicate cuts must not be cut by the mask's own predicate as well
+        own = self.predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
+        if ((user == FULL) & (outer == PARTIAL) & (own != FULL)).any():
+            raise NotImplementedError(
+                "this BlockMask has FULL blocks that its own causal/window predicate would cut, "
+                "and attention's causal/window cuts them too; the kernels apply one predicate per "
+                "tile. Build the mask with the combined predicate instead of passing both")
         state = torch.where(user == FULL, outer, torch.where(user == PARTIAL, merged, HIDDEN))
         return Schedule.from_blocks(block_m, block_n, state == PARTIAL, state == FULL)
 
