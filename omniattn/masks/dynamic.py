@@ -1,0 +1,85 @@
+"""Dynamic "keep window" masks of Dynamic Mask Attention: per query row, keep the `window_size`
+keys with the largest scores among the keys it may see.
+
+Shapes stay as small as the inputs allow: a per-key score (B, H, 1, Sk) without a row-dependent
+mask gives a (B, H, 1, Sk) mask. With a row-dependent mask (causal, padding per row) the result is
+(B, H, Sq, Sk) bool, built in chunks of query rows: the float temporary is (B, H, chunk, Sk),
+never (B, H, Sq, Sk).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _allowed(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Bool keep mask from a bool mask (True = keep) or an additive float mask (0 = keep,
+    negative = masked: transformers' 4-D convention)."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    if not attention_mask.is_floating_point():
+        raise TypeError(f"attention_mask must be bool (True = keep) or an additive float mask, got "
+                        f"{attention_mask.dtype}")
+    if (attention_mask > 0).any():
+        raise ValueError("an additive float attention_mask must be 0 where kept and negative where "
+                         "masked; pass a bool mask (True = keep) for 0/1 masks")
+    return attention_mask == 0
+
+
+def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tensor | None = None,
+              chunk_size: int = 1024) -> torch.Tensor:
+    """Bool keep mask: for each row, the `window_size` largest `scores` among the keys that
+    `attention_mask` allows (all of them when a row allows at most `window_size`).
+
+    scores: (..., Sq|1, Sk) float; attention_mask: bool or additive float, broadcastable to it.
+    Returns bool of the broadcast shape of the two, rows of size 1 staying 1.
+    """
+    if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size <= 0:
+        raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+    allowed = _allowed(attention_mask)
+    shape = torch.broadcast_shapes(scores.shape, allowed.shape) if allowed is not None \
+        else scores.shape
+    seqlen_k = shape[-1]
+    if seqlen_k <= window_size:
+        keep = allowed if allowed is not None else torch.ones((), dtype=torch.bool,
+                                                              device=scores.device)
+        return keep.expand(shape)
+    chunks = []
+    for start in range(0, shape[-2], chunk_size):
+        rows = slice(start, start + chunk_size)
+        chunk_scores = scores[..., rows, :] if scores.shape[-2] > 1 else scores
+        chunk_allowed = None
+        if allowed is not None:
+            chunk_allowed = allowed[..., rows, :] if allowed.shape[-2] > 1 else allowed
+            chunk_scores = chunk_scores.float().masked_fill(~chunk_allowed, float("-inf"))
+        top = torch.topk(chunk_scores, window_size, dim=-1, sorted=False).indices
+        chunk_shape = (*shape[:-2], min(chunk_size, shape[-2] - start), seqlen_k)
+        keep = torch.zeros(chunk_shape, dtype=torch.bool, device=scores.device)
+        keep.scatter_(-1, top.expand(*chunk_shape[:-1], window_size), True)
+        if chunk_allowed is not None:
+            # rows allowing fewer keys than the window must not keep masked ones
+            keep &= chunk_allowed
+        chunks.append(keep)
+    return torch.cat(chunks, dim=-2)
+
+
+def prepare_dynamic_mask(hidden_states: torch.Tensor, dt_states: torch.Tensor,
+                         keep_window_size: int = 2048,
+                         attention_mask: torch.Tensor | None = None):
+    """Bias and keep mask of Dynamic Mask Attention from dt states.
+
+    hidden_states: the query states (B, H, Sq, D) (their dtype and Sq are used);
+    dt_states: (B, Hk, Sk) per-key scores; attention_mask: bool (True = keep) or additive float,
+    broadcastable to (B, Hk, Sq, Sk).
+    Returns (attn_bias (B, Hk, 1, Sk) in hidden_states' dtype, attn_mask bool (B, Hk, 1|Sq, Sk)):
+    each row keeps its `keep_window_size` largest dt states among the keys attention_mask allows
+    (all allowed keys when Sk <= keep_window_size). Unlike the original, the bias is not filled
+    with the dtype's minimum where masked: the bool mask carries that, and omniattn skips the
+    tiles it hides.
+    """
+    attn_bias = dt_states[:, :, None, :].to(hidden_states.dtype)
+    allowed = _allowed(attention_mask)
+    if allowed is not None and allowed.shape[-2] not in (1, hidden_states.shape[2]):
+        raise ValueError(f"attention_mask has {allowed.shape[-2]} query rows, expected 1 or "
+                         f"Sq = {hidden_states.shape[2]}")
+    attn_mask = topk_mask(dt_states[:, :, None, :], keep_window_size, allowed)
+    return attn_bias, attn_mask

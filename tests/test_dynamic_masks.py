@@ -1,0 +1,71 @@
+"""Top-k keep-window masks against a brute-force torch.topk per row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniattn.masks import prepare_dynamic_mask, topk_mask
+
+
+def brute_force(scores, window, allowed):
+    """Row by row: the window largest allowed scores (all allowed ones if fewer)."""
+    scores, allowed = torch.broadcast_tensors(scores, allowed)
+    keep = torch.zeros(scores.shape, dtype=torch.bool)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in scores.shape[:-1]]):
+        row_scores, row_allowed = scores[tuple(index)], allowed[tuple(index)]
+        candidates = row_allowed.nonzero().flatten()
+        best = candidates[row_scores[candidates].argsort(descending=True)[:window]]
+        keep[tuple(index)][best] = True
+    return keep
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, window", [(9, 20, 5), (1, 30, 7), (6, 6, 8), (13, 40, 39)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "additive"])
+def test_topk_mask_matches_brute_force(seqlen_q, seqlen_k, window, mask_kind):
+    torch.manual_seed(seqlen_q + seqlen_k)
+    scores = torch.randn(2, 3, 1, seqlen_k)
+    rows = torch.arange(seqlen_q)[:, None]
+    cols = torch.arange(seqlen_k)[None, :]
+    allowed = {
+        "none": torch.ones(1, 1, 1, seqlen_k, dtype=torch.bool),
+        "causal": (cols <= rows + seqlen_k - seqlen_q)[None, None],
+        "padding": torch.rand(2, 1, 1, seqlen_k) > 0.3,
+        "additive": (cols <= rows + seqlen_k - seqlen_q)[None, None],
+    }[mask_kind]
+    mask_arg = None if mask_kind == "none" else allowed
+    if mask_kind == "additive":
+        mask_arg = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    keep = topk_mask(scores, window, mask_arg, chunk_size=4)
+    assert keep.dtype == torch.bool
+    expected = brute_force(scores, window, allowed)
+    assert keep.shape == expected.shape
+    assert torch.equal(keep, expected)
+
+
+def test_per_key_scores_stay_small():
+    keep = topk_mask(torch.randn(2, 4, 1, 300), 64)
+    assert keep.shape == (2, 4, 1, 300) and keep.sum(-1).eq(64).all()
+
+
+def test_prepare_dynamic_mask():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 4, 10, 8, dtype=torch.float16)  # query states (B, H, Sq, D)
+    dt_states = torch.rand(2, 2, 25)
+    bias, mask = prepare_dynamic_mask(hidden, dt_states, keep_window_size=6)
+    assert bias.shape == (2, 2, 1, 25) and bias.dtype == torch.float16
+    assert mask.shape == (2, 2, 1, 25) and mask.sum(-1).eq(6).all()
+    assert torch.equal(mask, brute_force(dt_states[:, :, None], 6, torch.ones(1, 1, 1, 25, dtype=torch.bool)))
+    causal = torch.ones(10, 25, dtype=torch.bool).tril(15)[None, None]
+    _, causal_mask = prepare_dynamic_mask(hidden, dt_states, 6, causal)
+    assert causal_mask.shape == (2, 2, 10, 25)
+    assert torch.equal(causal_mask, brute_force(dt_states[:, :, None], 6, causal))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="window_size must be a positive int"):
+        topk_mask(torch.randn(1, 1, 1, 4), 0)
+    with pytest.raises(ValueError, match="pass a bool mask"):
+        topk_mask(torch.randn(1, 1, 1, 4), 2, torch.ones(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="attention_mask has 3 query rows"):
+        prepare_dynamic_mask(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 9), 2,
+                             torch.ones(1, 1, 3, 9, dtype=torch.bool))
