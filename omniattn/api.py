@@ -7,8 +7,8 @@ import torch
 
 from .autograd import triton_attention
 from .kernels.configs import forward_config, interpreting
-from .kernels.schedule import KernelArgs
-from .masks.block_mask import BlockMask, RelativePredicate
+from .kernels.schedule import KernelArgs, RelativePredicate
+from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -14,42 +14,15 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .masks.block_mask import FULL, PARTIAL
+from .kernels.schedule import FULL, PARTIAL, RelativePredicate
 
 __all__ = ["attention_reference"]
-
-
-def _visible_keys(
-    q_idx: torch.Tensor,
-    seqlen_q: int,
-    seqlen_k: int,
-    causal: bool,
-    window: tuple[int, int] | None,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Boolean [c, Sk] of keys allowed by causal/window for query rows `q_idx`, or None if all are."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    if left < 0 and right < 0:
-        return None
-    k_idx = torch.arange(seqlen_k, device=device)
-    # offset of each key from the bottom-right aligned diagonal: [c, Sk]
-    rel = k_idx[None, :] - q_idx[:, None] - (seqlen_k - seqlen_q)
-    visible = torch.ones_like(rel, dtype=torch.bool)
-    if right >= 0:
-        visible &= rel <= right
-    if left >= 0:
-        visible &= rel >= -left
-    return visible
 
 
 def _block_mask_keep(block_mask, q_idx, seqlen_q, seqlen_k, device) -> torch.Tensor:
     """Bool (B|1, H|1, c, Sk) visibility of rows q_idx under a BlockMask."""
     states = block_mask.element_states(q_idx.to(block_mask.kv_indices.device), seqlen_k).to(device)
-    predicate = block_mask.predicate
-    by_predicate = _visible_keys(q_idx, seqlen_q, seqlen_k, False,
-                                 (predicate.left, predicate.right), device)
+    by_predicate = block_mask.predicate.visible(q_idx, seqlen_q, seqlen_k)
     partial_keep = states == PARTIAL
     if by_predicate is not None:
         partial_keep &= by_predicate
@@ -135,6 +108,7 @@ def attention_reference(
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    predicate = RelativePredicate.make(causal, window)
     compute_dtype = q.dtype
     if upcast and q.dtype != torch.float64:
         compute_dtype = torch.float32
@@ -159,7 +133,7 @@ def attention_reference(
     for start in range(0, seqlen_q, chunk_size):
         stop = min(start + chunk_size, seqlen_q)
         q_idx = torch.arange(start, stop, device=q.device)
-        keep = _visible_keys(q_idx, seqlen_q, seqlen_k, causal, window, q.device)
+        keep = predicate.visible(q_idx, seqlen_q, seqlen_k)
         keep = keep.view(1, 1, 1, stop - start, seqlen_k) if keep is not None else None
         if mask5 is not None:
             m = mask5[..., start:stop, :] if mask5.shape[3] != 1 else mask5

@@ -19,8 +19,8 @@ from enum import IntEnum
 import torch
 
 from ..api import attention
-from ..masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask
-from ..kernels.schedule import _lists_from_blocks
+from ..kernels.schedule import FULL, HIDDEN, PARTIAL, lists_from_blocks
+from ..masks.block_mask import BlockMask
 
 
 class BlockMaskType(IntEnum):
@@ -89,7 +89,7 @@ def create_omni_block_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int
     (q_block_idx, kv_block_idx) -> BlockMaskType. The batch/head dims are broadcast views."""
     n_q_blocks, n_k_blocks = -(-seqlen_q // BLOCK_M), -(-seqlen_k // BLOCK_N)
     pattern = _pattern_grid(block_mask_pattern, n_q_blocks, n_k_blocks, device)
-    kv_num_blocks, kv_indices = _lists_from_blocks(pattern != BlockMaskType.MASKED)
+    kv_num_blocks, kv_indices = lists_from_blocks(pattern != BlockMaskType.MASKED)
     width = max(int(kv_num_blocks.max()), 1) if kv_num_blocks.numel() else 1
     kv_indices = kv_indices[:, :width]
     block_mask_types = torch.gather(pattern, 1, kv_indices.long()).to(torch.int32)

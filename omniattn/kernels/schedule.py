@@ -12,6 +12,72 @@ from dataclasses import dataclass
 import torch
 
 
+HIDDEN, PARTIAL, FULL = 0, 1, 2  # tile / block states
+
+
+@dataclass(frozen=True)
+class RelativePredicate:
+    """Key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 = unbounded."""
+
+    left: int = -1
+    right: int = -1
+
+    @staticmethod
+    def make(causal: bool = False, window: tuple[int, int] | None = None) -> "RelativePredicate":
+        left, right = window if window is not None else (-1, -1)
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        return RelativePredicate(left, right)
+
+    def __and__(self, other: "RelativePredicate") -> "RelativePredicate":
+        def tighter(a, b):
+            return b if a < 0 else a if b < 0 else min(a, b)
+        return RelativePredicate(tighter(self.left, other.left), tighter(self.right, other.right))
+
+    def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor | None:
+        """Bool [len(q_idx), Sk]: which keys rows q_idx may see; None when all of them."""
+        if self.unbounded:
+            return None
+        k_idx = torch.arange(seqlen_k, device=q_idx.device)
+        rel = k_idx[None, :] - q_idx[:, None] - (seqlen_k - seqlen_q)
+        visible = torch.ones_like(rel, dtype=torch.bool)
+        if self.right >= 0:
+            visible &= rel <= self.right
+        if self.left >= 0:
+            visible &= rel >= -self.left
+        return visible
+
+    @property
+    def unbounded(self) -> bool:
+        return self.left < 0 and self.right < 0
+
+    def classify(self, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+                 device=None) -> torch.Tensor:
+        """int8 (n_q_blocks, n_k_blocks): HIDDEN / PARTIAL / FULL of each block under this
+        predicate, blocks clipped to (Sq, Sk). O(blocks) work and memory."""
+        n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+        first_q = torch.arange(n_m, device=device) * block_m
+        last_q = torch.clamp(first_q + block_m, max=seqlen_q) - 1
+        first_k = torch.arange(n_n, device=device) * block_n
+        last_k = torch.clamp(first_k + block_n, max=seqlen_k) - 1
+        offset = seqlen_k - seqlen_q
+        # extreme offsets from the diagonal inside each block: [n_m, n_n]
+        rel_min = first_k[None, :] - last_q[:, None] - offset
+        rel_max = last_k[None, :] - first_q[:, None] - offset
+        full = torch.ones(n_m, n_n, dtype=torch.bool, device=device)
+        hidden = torch.zeros(n_m, n_n, dtype=torch.bool, device=device)
+        if self.right >= 0:
+            full &= rel_max <= self.right
+            hidden |= rel_min > self.right
+        if self.left >= 0:
+            full &= rel_min >= -self.left
+            hidden |= rel_max < -self.left
+        state = torch.full((n_m, n_n), PARTIAL, dtype=torch.int8, device=device)
+        state[full] = FULL
+        state[hidden] = HIDDEN
+        return state
+
+
 @dataclass(frozen=True)
 class KernelArgs:
     """Scalar arguments shared by every kernel launch of one attention call."""
@@ -23,11 +89,9 @@ class KernelArgs:
 
     @staticmethod
     def make(head_dim: int, causal: bool, window, softmax_scale, softcap) -> "KernelArgs":
-        left, right = window if window is not None else (-1, -1)
-        if causal:
-            right = 0 if right < 0 else min(right, 0)
+        predicate = RelativePredicate.make(causal, window)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-        return KernelArgs(float(scale), float(softcap), int(left), int(right))
+        return KernelArgs(float(scale), float(softcap), int(predicate.left), int(predicate.right))
 
     @staticmethod
     def dot_precision(dtype: torch.dtype) -> str:
@@ -60,7 +124,7 @@ class KernelArgs:
         return self.softcap * math.log2(math.e)
 
 
-def _blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int) -> torch.Tensor:
+def blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int) -> torch.Tensor:
     """(..., R) counts + (..., R, C) indices -> dense bool (..., R, n_cols) block picture."""
     listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None].long()
     # unlisted slots scatter into a spare column that is dropped
@@ -70,7 +134,7 @@ def _blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: 
     return blocks[..., :n_cols]
 
 
-def _lists_from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lists_from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dense bool (..., R, C) -> int32 counts (..., R) and indices (..., R, C), listed ones first."""
     num_blocks = blocks.sum(-1, dtype=torch.int32)
     # stable sort of "not listed" puts the listed columns first, in increasing order
@@ -105,10 +169,10 @@ class Schedule:
         if full_kv_num_blocks is None:
             full_kv_num_blocks = torch.zeros_like(kv_num_blocks)
             full_kv_indices = torch.zeros_like(kv_indices[..., :1])
-        partial = _blocks_from_lists(kv_num_blocks, kv_indices, n_tiles_k)
-        full = _blocks_from_lists(full_kv_num_blocks, full_kv_indices, n_tiles_k)
-        q_num, q_idx = _lists_from_blocks(partial.transpose(-1, -2))
-        full_q_num, full_q_idx = _lists_from_blocks(full.transpose(-1, -2))
+        partial = blocks_from_lists(kv_num_blocks, kv_indices, n_tiles_k)
+        full = blocks_from_lists(full_kv_num_blocks, full_kv_indices, n_tiles_k)
+        q_num, q_idx = lists_from_blocks(partial.transpose(-1, -2))
+        full_q_num, full_q_idx = lists_from_blocks(full.transpose(-1, -2))
         return Schedule(block_m, block_n, kv_num_blocks.int(), kv_indices.int().contiguous(),
                         full_kv_num_blocks.int(), full_kv_indices.int().contiguous(),
                         q_num, q_idx, full_q_num, full_q_idx)
@@ -119,10 +183,10 @@ class Schedule:
         """Build from dense bool block pictures (B|1, H|1, n_q_tiles, n_k_tiles)."""
         if full is None:
             full = torch.zeros_like(partial)
-        kv_num, kv_idx = _lists_from_blocks(partial)
-        full_num, full_idx = _lists_from_blocks(full)
-        q_num, q_idx = _lists_from_blocks(partial.transpose(-1, -2))
-        full_q_num, full_q_idx = _lists_from_blocks(full.transpose(-1, -2))
+        kv_num, kv_idx = lists_from_blocks(partial)
+        full_num, full_idx = lists_from_blocks(full)
+        q_num, q_idx = lists_from_blocks(partial.transpose(-1, -2))
+        full_q_num, full_q_idx = lists_from_blocks(full.transpose(-1, -2))
         return Schedule(block_m, block_n, kv_num, kv_idx, full_num, full_idx,
                         q_num, q_idx, full_q_num, full_q_idx)
 

@@ -10,64 +10,12 @@ bottom-right aligned diagonal, like `attention`'s own: `causal` and/or `window=(
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from ..kernels.schedule import Schedule, _blocks_from_lists, _lists_from_blocks
-
-HIDDEN, PARTIAL, FULL = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class RelativePredicate:
-    """Key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 = unbounded."""
-
-    left: int = -1
-    right: int = -1
-
-    @staticmethod
-    def make(causal: bool = False, window: tuple[int, int] | None = None) -> "RelativePredicate":
-        left, right = window if window is not None else (-1, -1)
-        if causal:
-            right = 0 if right < 0 else min(right, 0)
-        return RelativePredicate(left, right)
-
-    def __and__(self, other: "RelativePredicate") -> "RelativePredicate":
-        def tighter(a, b):
-            return b if a < 0 else a if b < 0 else min(a, b)
-        return RelativePredicate(tighter(self.left, other.left), tighter(self.right, other.right))
-
-    @property
-    def unbounded(self) -> bool:
-        return self.left < 0 and self.right < 0
-
-    def classify(self, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                 device=None) -> torch.Tensor:
-        """int8 (n_q_blocks, n_k_blocks): HIDDEN / PARTIAL / FULL of each block under this
-        predicate, blocks clipped to (Sq, Sk). O(blocks) work and memory."""
-        n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-        first_q = torch.arange(n_m, device=device) * block_m
-        last_q = torch.clamp(first_q + block_m, max=seqlen_q) - 1
-        first_k = torch.arange(n_n, device=device) * block_n
-        last_k = torch.clamp(first_k + block_n, max=seqlen_k) - 1
-        offset = seqlen_k - seqlen_q
-        # extreme offsets from the diagonal inside each block: [n_m, n_n]
-        rel_min = first_k[None, :] - last_q[:, None] - offset
-        rel_max = last_k[None, :] - first_q[:, None] - offset
-        full = torch.ones(n_m, n_n, dtype=torch.bool, device=device)
-        hidden = torch.zeros(n_m, n_n, dtype=torch.bool, device=device)
-        if self.right >= 0:
-            full &= rel_max <= self.right
-            hidden |= rel_min > self.right
-        if self.left >= 0:
-            full &= rel_min >= -self.left
-            hidden |= rel_max < -self.left
-        state = torch.full((n_m, n_n), PARTIAL, dtype=torch.int8, device=device)
-        state[full] = FULL
-        state[hidden] = HIDDEN
-        return state
+from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, RelativePredicate, Schedule,
+                                blocks_from_lists, lists_from_blocks)
 
 
 class BlockMask:
@@ -122,8 +70,8 @@ class BlockMask:
     def from_states(cls, states: torch.Tensor, block_size, seq_lengths,
                     causal: bool = False, window=None) -> "BlockMask":
         """From an int8 (B|1, H|1, n_q_blocks, n_k_blocks) picture of HIDDEN/PARTIAL/FULL."""
-        kv_num, kv_idx = _lists_from_blocks(states == PARTIAL)
-        full_num, full_idx = _lists_from_blocks(states == FULL)
+        kv_num, kv_idx = lists_from_blocks(states == PARTIAL)
+        full_num, full_idx = lists_from_blocks(states == FULL)
         return cls(kv_num, kv_idx, full_num, full_idx, block_size=block_size,
                    seq_lengths=seq_lengths, causal=causal, window=window)
 
@@ -142,8 +90,8 @@ class BlockMask:
         """int8 (B|1, H|1, n_q_blocks, n_k_blocks): 0 hidden, 1 PARTIAL, 2 FULL (O(blocks)); the
         dense block picture for debugging and for the conversions below."""
         n_k = self.n_blocks[1]
-        partial = _blocks_from_lists(self.kv_num_blocks, self.kv_indices, n_k)
-        full = _blocks_from_lists(self.full_kv_num_blocks, self.full_kv_indices, n_k)
+        partial = blocks_from_lists(self.kv_num_blocks, self.kv_indices, n_k)
+        full = blocks_from_lists(self.full_kv_num_blocks, self.full_kv_indices, n_k)
         return partial.to(torch.int8) * PARTIAL + full.to(torch.int8) * FULL
 
     def to_string(self, batch: int = 0, head: int = 0) -> str:
@@ -171,7 +119,7 @@ class BlockMask:
         """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices): per key block, which query
         blocks see it. Built once, for the backward pass."""
         states = self.states.transpose(-1, -2)
-        return (*_lists_from_blocks(states == PARTIAL), *_lists_from_blocks(states == FULL))
+        return (*lists_from_blocks(states == PARTIAL), *lists_from_blocks(states == FULL))
 
     def _check_indices(self) -> None:
         n_k = self.n_blocks[1]
