@@ -1,9 +1,9 @@
-"""Benchmark suite behind `omniattn bench`: omniattn against SDPA backends and FlexAttention.
+"""Benchmark suites behind `omniattn bench`: omniattn against SDPA backends and FlexAttention.
 
 Every provider takes q (B, Sq, H, D), k/v (B, Sk, Hk, D) in omniattn's layout and returns
 out (B, Sq, H, D). FLOPs are counted on the tiles omniattn's forward kernel actually computes
-(`computed_pairs`), so TFLOP/s compares providers on equal work; the exact visible-pair count is
-recorded beside it as `flops_exact`.
+(`computed_pairs`, or `block_mask_pairs` for block-sparse workloads), so TFLOP/s compares
+providers on equal work; the exact visible-pair count is recorded beside it as `flops_exact`.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ import omniattn
 from omniattn.kernels.configs import forward_config, interpreting
 
 MODES = ("fwd", "fwd+bwd")
+SUITES = ("core", "sparse", "gqa", "headdim")
+# densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
+# reference their times scale against
+SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
+# SDPA has no block-sparse masks: its providers get no row on a sparse workload
+BLOCK_MASK_PROVIDERS = ("omniattn", "flex")
 # backward = 2.5x forward FLOPs (FlashAttention's convention: 5 matmuls against 2)
 _FWD_BWD_FLOP_FACTOR = 3.5
 
@@ -31,6 +37,9 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Workload:
+    """One attention shape. `density` set: a random block mask listing that fraction of the
+    (block_size x block_size) blocks is the only mask (see `workload_block_mask`)."""
+
     name: str
     batch: int
     seqlen_q: int
@@ -40,38 +49,117 @@ class Workload:
     head_dim: int
     causal: bool
     dtype: torch.dtype
+    density: float | None = None
+    block_size: int = 128
+
+    def __post_init__(self):
+        if self.density is not None and not 0 < self.density <= 1:
+            raise ValueError(f"{self.name}: density must lie in (0, 1], got {self.density}")
+        if self.density is not None and self.causal:
+            # Flex gets the block mask alone, so a causal sparse workload would differ by provider
+            raise ValueError(f"{self.name}: a sparse workload's block mask is its only mask; "
+                             f"causal must be False")
 
 
-def default_workloads(device: str | torch.device) -> list[Workload]:
-    """GPU: the FlashAttention-style 4k/16k suite in bf16. CPU: a small fp32 suite that runs in
-    seconds (it checks the plumbing; its numbers say nothing about the GPU kernels)."""
-    if torch.device(device).type == "cuda":
-        shapes = [(2, 4096), (1, 16384)]
-        heads, head_dim, dtype = 16, 128, torch.bfloat16
-    else:
-        shapes = [(1, 256), (1, 512)]
-        heads, head_dim, dtype = 4, 64, torch.float32
+def _dense_and_causal(shapes, heads: int, head_dim: int, dtype: torch.dtype,
+                      suffix: str = "") -> list[Workload]:
+    """Self-attention, dense then causal, for each (batch, seqlen) in shapes."""
     return [
-        Workload(f"{'causal' if causal else 'dense'}-b{batch}-s{seqlen}", batch, seqlen, seqlen,
-                 heads, heads, head_dim, causal, dtype)
+        Workload(f"{'causal' if causal else 'dense'}-b{batch}-s{seqlen}{suffix}", batch, seqlen,
+                 seqlen, heads, heads, head_dim, causal, dtype)
         for batch, seqlen in shapes
         for causal in (False, True)
     ]
+
+
+def _core_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        return _dense_and_causal([(2, 4096), (1, 16384)], 16, 128, torch.bfloat16)
+    return _dense_and_causal([(1, 256), (1, 512)], 4, 64, torch.float32)
+
+
+def _sparse_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        batch, seqlen, heads, head_dim, dtype, block_size = 1, 16384, 16, 128, torch.bfloat16, 128
+    else:
+        batch, seqlen, heads, head_dim, dtype, block_size = 1, 512, 4, 64, torch.float32, 64
+    return [
+        Workload(f"sparse-d{density:.2f}-b{batch}-s{seqlen}", batch, seqlen, seqlen, heads,
+                 heads, head_dim, False, dtype, density=density, block_size=block_size)
+        for density in SPARSE_DENSITIES
+    ]
+
+
+def _gqa_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        batch, seqlen, heads, heads_k, head_dim, dtype = 1, 8192, 32, 8, 128, torch.bfloat16
+    else:
+        batch, seqlen, heads, heads_k, head_dim, dtype = 1, 512, 8, 2, 64, torch.float32
+    return [Workload(f"gqa-causal-b{batch}-s{seqlen}-h{heads}-hk{heads_k}", batch, seqlen, seqlen,
+                     heads, heads_k, head_dim, True, dtype)]
+
+
+def _headdim_suite(cuda: bool) -> list[Workload]:
+    shapes, heads, dtype = ([(2, 4096)], 16, torch.bfloat16) if cuda \
+        else ([(1, 256)], 4, torch.float32)
+    return [workload for head_dim in (64, 256)
+            for workload in _dense_and_causal(shapes, heads, head_dim, dtype, f"-d{head_dim}")]
+
+
+_SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
+                   "headdim": _headdim_suite}
+
+
+def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
+    """Workloads of one suite, or of all of them with suite="all":
+
+    core: dense and causal, 4k B2 and 16k B1, H16 D128 (the FlashAttention-style suite);
+    sparse: 16k B1 H16 D128 under random 128 x 128 block masks at each of SPARSE_DENSITIES;
+    gqa: causal 8k B1, 32 query heads on 8 key/value heads, D128;
+    headdim: dense and causal 4k B2 H16 at D 64 and D 256.
+    GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
+    numbers say nothing about the GPU kernels)."""
+    cuda = torch.device(device).type == "cuda"
+    if suite == "all":
+        return [workload for build in _SUITE_BUILDERS.values() for workload in build(cuda)]
+    if suite not in _SUITE_BUILDERS:
+        raise ValueError(f"unknown suite {suite!r}; choose from {[*SUITES, 'all']}")
+    return _SUITE_BUILDERS[suite](cuda)
+
+
+def workload_block_mask(workload: Workload,
+                        device: str | torch.device) -> omniattn.BlockMask | None:
+    """The sparse workload's mask: round(density x blocks) of its (1, 1, nQ, nK) blocks, drawn
+    by a randperm seeded 0 (so a lower density's blocks are a subset of a higher one's), all
+    FULL. None for a workload without density."""
+    if workload.density is None:
+        return None
+    n_q = triton.cdiv(workload.seqlen_q, workload.block_size)
+    n_k = triton.cdiv(workload.seqlen_k, workload.block_size)
+    generator = torch.Generator().manual_seed(0)
+    listed = torch.randperm(n_q * n_k, generator=generator)[:round(workload.density * n_q * n_k)]
+    blocks = torch.zeros(n_q * n_k, dtype=torch.bool)
+    blocks[listed] = True
+    return omniattn.block_mask_from_blocks(blocks.view(1, 1, n_q, n_k).to(device),
+                                           workload.block_size,
+                                           seq_lengths=(workload.seqlen_q, workload.seqlen_k))
 
 
 def _to_sdpa_layout(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)  # (B, S, H, D) <-> (B, H, S, D), a view
 
 
-def _omniattn(workload: Workload, device: torch.device) -> AttentionFn:
-    return lambda q, k, v: omniattn.attention(q, k, v, causal=workload.causal)
+def _omniattn(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
+    return lambda q, k, v: omniattn.attention(q, k, v, causal=workload.causal,
+                                              block_mask=block_mask)
 
 
 def _sdpa(backend, cuda_only: bool):
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
-    def build(workload: Workload, device: torch.device) -> AttentionFn:
+    # block_mask is always None: run_suite gives SDPA no sparse workload (BLOCK_MASK_PROVIDERS)
+    def build(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
         if cuda_only and device.type != "cuda":
             raise RuntimeError("benchmarked on CUDA only")
         # SDPA's is_causal is top-left aligned; it equals omniattn's bottom-right causal only here
@@ -92,20 +180,22 @@ def _sdpa(backend, cuda_only: bool):
     return build
 
 
-def _flex(workload: Workload, device: torch.device) -> AttentionFn:
+def _flex(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
     if device.type != "cuda":
         raise RuntimeError("benchmarked on CUDA only")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    block_mask = None
-    if workload.causal:
+    flex_mask = None
+    if block_mask is not None:
+        flex_mask = block_mask.to_flex()
+    elif workload.causal:
         diag_offset = workload.seqlen_k - workload.seqlen_q
 
         def bottom_right_causal(b, h, q_idx, kv_idx):
             return kv_idx <= q_idx + diag_offset
 
-        block_mask = create_block_mask(bottom_right_causal, None, None, workload.seqlen_q,
-                                       workload.seqlen_k, device=device)
+        flex_mask = create_block_mask(bottom_right_causal, None, None, workload.seqlen_q,
+                                      workload.seqlen_k, device=device)
     # static shapes, and a fresh compile cache per workload, so the suite never reaches dynamo's
     # recompile limit nor falls back to a slower dynamic-shape kernel
     torch.compiler.reset()
@@ -114,13 +204,14 @@ def _flex(workload: Workload, device: torch.device) -> AttentionFn:
 
     def run(q, k, v):
         out = compiled(_to_sdpa_layout(q), _to_sdpa_layout(k), _to_sdpa_layout(v),
-                       block_mask=block_mask, enable_gqa=enable_gqa)
+                       block_mask=flex_mask, enable_gqa=enable_gqa)
         return _to_sdpa_layout(out)
 
     return run
 
 
-def _providers() -> dict[str, Callable[[Workload, torch.device], AttentionFn]]:
+def _providers() -> dict[str, Callable[[Workload, torch.device, object], AttentionFn]]:
+    """name -> build(workload, device, block_mask: omniattn.BlockMask | None)."""
     from torch.nn.attention import SDPBackend
 
     return {
@@ -154,6 +245,19 @@ def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, blo
             keys = min(triton.cdiv(key_hi, block_n) * block_n, seqlen_k)
         pairs += (end_m - start_m) * keys
     return pairs
+
+
+def block_mask_pairs(block_mask: omniattn.BlockMask) -> float:
+    """(query, key) pairs inside the listed blocks, each block clipped to (Sq, Sk): the tiles
+    the kernel computes. Per (batch, head), averaged over the mask's (B|1, H|1) entries."""
+    block_q, block_k = block_mask.block_size
+    seqlen_q, seqlen_k = block_mask.seq_lengths
+    n_q, n_k = block_mask.n_blocks
+    rows = (seqlen_q - torch.arange(n_q) * block_q).clamp(max=block_q)  # last block may be short
+    cols = (seqlen_k - torch.arange(n_k) * block_k).clamp(max=block_k)
+    listed = (block_mask.states != 0).cpu().to(torch.int64)  # (B|1, H|1, n_q, n_k)
+    pairs = (listed * rows[:, None] * cols[None, :]).sum().item()
+    return pairs / (listed.shape[0] * listed.shape[1])
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
@@ -201,10 +305,17 @@ def _step(attn: AttentionFn, mode: str, q, k, v, dout) -> Callable[[], object]:
     return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
 
 
-def _measure(build, workload: Workload, mode: str, device: torch.device, inputs) -> float:
-    step = _step(build(workload, device), mode, *inputs)
+def _measure(build, workload: Workload, block_mask, mode: str, device: torch.device,
+             inputs) -> float:
+    step = _step(build(workload, device, block_mask), mode, *inputs)
     step()  # compiles kernels and surfaces an unavailable backend before timing starts
     return _time_ms(step, device)
+
+
+def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str, ...]:
+    if workload.density is None:
+        return providers
+    return tuple(p for p in providers if p in BLOCK_MASK_PROVIDERS)
 
 
 def _workload_fields(workload: Workload) -> dict:
@@ -222,7 +333,8 @@ def run_suite(
 ) -> list[dict]:
     """One dict per workload x mode x provider: the workload's fields, device, provider, mode,
     flops (tile count), flops_exact, ms, tflops, error. A provider that raises is recorded with
-    its error (ms and tflops None) and the suite goes on."""
+    its error (ms and tflops None) and the suite goes on. Sparse workloads (density set) run
+    only BLOCK_MASK_PROVIDERS, under one block mask built per workload."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     providers = tuple(providers or default_providers(device))
     builders = _providers()
@@ -233,22 +345,28 @@ def run_suite(
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
 
-    bar = _progress_bar(len(workloads) * len(modes) * len(providers), progress)
+    runs = sum(len(_providers_for(workload, providers)) for workload in workloads) * len(modes)
+    bar = _progress_bar(runs, progress)
     results = []
     for workload in workloads:
-        tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
-        pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal,
-                               tile.block_m, tile.block_n)
-        exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal)
+        # one mask per workload: omniattn caches its kernel schedule on it across modes
+        block_mask = workload_block_mask(workload, device)
+        if block_mask is not None:
+            pairs = exact = block_mask_pairs(block_mask)
+        else:
+            tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
+            pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal,
+                                   tile.block_m, tile.block_n)
+            exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal)
         for mode in modes:
             inputs = _make_inputs(workload, device, requires_grad=mode == "fwd+bwd")
             flops = _flops(workload, pairs, mode)
-            for provider in providers:
+            for provider in _providers_for(workload, providers):
                 if bar is not None:
                     bar.set_description(f"{workload.name} {mode} {provider}")
                 ms, error = None, None
                 try:
-                    ms = _measure(builders[provider], workload, mode, device, inputs)
+                    ms = _measure(builders[provider], workload, block_mask, mode, device, inputs)
                 except Exception as exc:  # a backend that is unavailable here, or out of memory
                     error = _describe_error(exc)
                 results.append({
@@ -323,8 +441,8 @@ def _header(results: list[dict]) -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    """Plain-text table: one row per (workload, mode), ms and TFLOP/s columns per provider;
-    errors are listed under it."""
+    """Plain-text table: one row per (workload, mode), ms and TFLOP/s columns per provider
+    ('-' where the provider has no row: SDPA on sparse workloads); errors are listed under it."""
     providers = list(dict.fromkeys(r["provider"] for r in results))
     rows = {}
     for r in results:
@@ -359,7 +477,78 @@ def format_table(results: list[dict]) -> str:
         lines += ["", "errors:"]
         lines += [f"  {provider} ({', '.join(runs)}): {error}"
                   for (provider, error), runs in errors.items()]
+    if any(r["density"] is not None for r in results):
+        lines += ["", f"sparse-d<density>: random block mask listing that fraction of the blocks; "
+                      f"only {', '.join(BLOCK_MASK_PROVIDERS)} run block masks"]
     return "\n".join(lines)
+
+
+def plot_results(results: list[dict], path: str | Path) -> None:
+    """PNG at `path`, one column per mode: time (ms) against density for the sparse rows, one
+    line per provider (top), and TFLOP/s of the other rows as bars grouped by workload (bottom).
+    Rows without a time (errors) are left out. Needs matplotlib (imported here, not with the
+    module); raises ValueError if no row has a time."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    timed = [r for r in results if r["ms"] is not None]
+    if not timed:
+        raise ValueError("no run has a time to plot")
+    modes = list(dict.fromkeys(r["mode"] for r in timed))
+    sparse = [r for r in timed if r["density"] is not None]
+    others = [r for r in timed if r["density"] is None]
+    panel_rows = [(draw, rows) for draw, rows in ((_plot_time_vs_density, sparse),
+                                                  (_plot_tflops_bars, others)) if rows]
+    fig = Figure(figsize=(7 * len(modes), 4.5 * len(panel_rows)), layout="constrained")
+    axes = fig.subplots(len(panel_rows), len(modes), squeeze=False)
+    for (draw, rows), row_axes in zip(panel_rows, axes):
+        for ax, mode in zip(row_axes, modes):
+            mode_rows = [r for r in rows if r["mode"] == mode]
+            if mode_rows:
+                draw(ax, mode_rows, mode)
+            else:  # every run of this mode failed
+                ax.set_visible(False)
+    fig.suptitle(f"{_header(results)} ({device_name()})")
+    fig.savefig(path, dpi=120)
+
+
+def _shape_label(r: dict) -> str:
+    heads = f"H{r['heads']}" if r["heads"] == r["heads_k"] else f"H{r['heads']}/{r['heads_k']}"
+    return f"B{r['batch']} {heads} S{r['seqlen_q']} D{r['head_dim']} {r['dtype']}"
+
+
+def _plot_time_vs_density(ax, rows: list[dict], mode: str) -> None:
+    shapes = list(dict.fromkeys(_shape_label(r) for r in rows))
+    lines = {}
+    for r in sorted(rows, key=lambda r: r["density"]):
+        # a provider's line per shape, should one run mix sparse shapes
+        label = r["provider"] if len(shapes) == 1 else f"{r['provider']} {_shape_label(r)}"
+        lines.setdefault(label, []).append((r["density"], r["ms"]))
+    for label, points in lines.items():
+        ax.plot(*zip(*points), marker="o", label=label)
+    block = rows[0]["block_size"]
+    ax.set_title(f"{mode}: block-sparse, {' | '.join(shapes)}, {block}x{block} blocks")
+    ax.set_xlabel("density (listed blocks / all blocks)")
+    ax.set_ylabel("time (ms)")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _plot_tflops_bars(ax, rows: list[dict], mode: str) -> None:
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    width = 0.8 / len(providers)
+    for i, provider in enumerate(providers):
+        mine = [r for r in rows if r["provider"] == provider]
+        offset = (i - (len(providers) - 1) / 2) * width
+        ax.bar([names.index(r["name"]) + offset for r in mine], [r["tflops"] for r in mine],
+               width, label=provider)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_title(f"{mode}: TFLOP/s on the tiles omniattn computes")
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
 
 
 def write_json(path: str | Path, results: list[dict]) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import platform
 import warnings
@@ -11,8 +12,8 @@ import torch
 import triton
 
 import omniattn
-from omniattn.bench import (MODES, PROVIDERS, default_workloads, device_name, format_table,
-                            run_suite, write_json)
+from omniattn.bench import (MODES, PROVIDERS, SUITES, default_workloads, device_name,
+                            format_table, plot_results, run_suite, write_json)
 from omniattn.kernels.configs import interpreting
 from omniattn.reference import attention_reference
 
@@ -44,12 +45,25 @@ def _comma_list(choices):
 
 def run_bench(args: argparse.Namespace) -> int:
     device = _current_device()
-    results = run_suite(default_workloads(device), providers=args.providers,
-                        modes=tuple(args.modes), device=device)
+    workloads = [w for suite in args.suite for w in default_workloads(device, suite)]
+    # "all" next to a named suite lists its workloads twice
+    workloads = list(dict.fromkeys(workloads))
+    results = run_suite(workloads, providers=args.providers, modes=tuple(args.modes),
+                        device=device)
     print(format_table(results))
     if args.json:
         write_json(args.json, results)
         print(f"\nwrote {args.json}")
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(f"\n--plot needs matplotlib (pip install matplotlib, or the [bench] extra); "
+                  f"{args.plot} not written")
+        else:
+            try:
+                plot_results(results, args.plot)
+                print(f"\nwrote {args.plot}")
+            except ValueError as exc:
+                print(f"\n{args.plot} not written: {exc}")
     return 0
 
 
@@ -162,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     bench_parser = commands.add_parser(
-        "bench", help="time the default suite on cuda if available, else cpu")
+        "bench", help="time the benchmark suites on cuda if available, else cpu")
+    bench_parser.add_argument("--suite", type=_comma_list((*SUITES, "all")), default=["core"],
+                              help=f"comma-separated, from {','.join(SUITES)} or all "
+                                   f"(default: core)")
     bench_parser.add_argument("--json", metavar="PATH", help="also write environment and results")
+    bench_parser.add_argument("--plot", metavar="PATH",
+                              help="also draw a PNG: time against density for the sparse suite, "
+                                   "TFLOP/s per workload for the others (needs matplotlib)")
     bench_parser.add_argument("--providers", type=_comma_list(PROVIDERS), default=None,
                               help=f"comma-separated, from {','.join(PROVIDERS)} "
                                    f"(default: those suited to the device)")
