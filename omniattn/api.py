@@ -12,12 +12,11 @@ from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MASK_DTYPES = (torch.bool, torch.uint8, *SUPPORTED_DTYPES)
 MAX_HEAD_DIM = 256
 
 # argument -> the feature (issue) that brings it; until then passing it raises NotImplementedError
 _PENDING_FEATURES = {
-    "attn_mask": "element masks (issue #4, dynamic mask attention)",
-    "attn_bias": "additive bias (issue #4, dynamic mask attention)",
     "seqlens_k_per_row": "per-row key lengths (issue #5)",
     "cu_seqlens_q": "varlen (issue #5)",
     "cu_seqlens_k": "varlen (issue #5)",
@@ -107,6 +106,24 @@ def _check_block_mask(block_mask, q, k) -> None:
         raise ValueError(f"block_mask is on {block_mask.kv_indices.device} but q is on {q.device}")
 
 
+def _check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor) -> None:
+    """attn_mask / attn_bias: 4-D, each dim 1 or full, heads in {1, Hk, H}; never expanded."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of "
+                        f"{', '.join(str(d) for d in dtypes)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    batch, seqlen_q, num_heads = q.shape[:3]
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    if (t.dim() != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, num_heads_k, num_heads)
+            or t.shape[2] not in (1, seqlen_q) or t.shape[3] not in (1, seqlen_k)):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, not broadcastable to (B={batch}, "
+                         f"H in {{1,{num_heads_k},{num_heads}}}, Sq={seqlen_q}, Sk={seqlen_k}); "
+                         f"size-1 dims broadcast")
+
+
 def _kernel_tile(block: int, preferred: int) -> int:
     """Largest power-of-two tile <= preferred (>= 16) dividing the mask's block."""
     tile = preferred
@@ -151,6 +168,11 @@ def attention(
             -1 = unbounded on that side. ANDed with causal.
         softmax_scale: defaults to 1 / sqrt(D).
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
+        attn_mask: bool (True = keep) or numeric (nonzero = keep), broadcastable to
+            (B, Hm, Sq, Sk) with Hm in {1, Hk, H}; size-1 dims are read with stride 0.
+        attn_bias: fp16/bf16/fp32, broadcastable like attn_mask, added to the scores after the
+            softcap; differentiable, its gradient comes back in its own shape.
+            Both run on the reference path today (CPU tensors); the kernels get them in issue #4.
         block_mask: an omniattn.BlockMask for (Sq, Sk): only its listed blocks are computed; its
             PARTIAL blocks apply its own causal/window predicate; ANDed with causal/window.
         deterministic: the backward pass is always deterministic (no atomics); accepted for
@@ -161,11 +183,10 @@ def attention(
     Returns:
         out (B, Sq, H, D) in q's dtype (0 on rows that see no key), or (out, lse).
 
-    attn_mask, attn_bias, seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and dropout_p > 0 belong
-    to later features and raise NotImplementedError until they land.
+    seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and dropout_p > 0 belong to later features and
+    raise NotImplementedError until they land.
     """
-    pending = {"attn_mask": attn_mask, "attn_bias": attn_bias,
-               "seqlens_k_per_row": seqlens_k_per_row, "cu_seqlens_q": cu_seqlens_q,
+    pending = {"seqlens_k_per_row": seqlens_k_per_row, "cu_seqlens_q": cu_seqlens_q,
                "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}
     for name, value in pending.items():
@@ -179,8 +200,18 @@ def attention(
 
     if block_mask is not None:
         _check_block_mask(block_mask, q, k)
+    if attn_mask is not None:
+        _check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k)
+    if attn_bias is not None:
+        _check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k)
 
     if _use_kernels(q):
+        for name, value in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+            if value is not None:
+                raise NotImplementedError(
+                    f"{name} on the Triton kernels is not implemented yet: element masks and "
+                    f"bias (issue #4); CPU tensors without TRITON_INTERPRET=1 run it on the "
+                    f"reference path")
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
         schedule = None
         if block_mask is not None:
@@ -196,5 +227,6 @@ def attention(
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
+                                       attn_mask=attn_mask, attn_bias=attn_bias,
                                        block_mask=block_mask, return_lse=True)
     return (out, lse) if return_lse else out

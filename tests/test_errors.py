@@ -280,10 +280,6 @@ def test_return_lse_not_bool(ret):
 
 
 def _pending_value(name):
-    if name == "attn_mask":
-        return torch.ones(B, H, S, S, dtype=torch.bool)
-    if name == "attn_bias":
-        return torch.zeros(B, H, S, S, dtype=torch.float16)
     if name == "seqlens_k_per_row":
         return torch.full((B, S), S, dtype=torch.int32)
     if name in ("cu_seqlens_q", "cu_seqlens_k"):
@@ -292,8 +288,6 @@ def _pending_value(name):
 
 
 @pytest.mark.parametrize("name,feature", [
-    ("attn_mask", "element masks (issue #4, dynamic mask attention)"),
-    ("attn_bias", "additive bias (issue #4, dynamic mask attention)"),
     ("seqlens_k_per_row", "per-row key lengths (issue #5)"),
     ("cu_seqlens_q", "varlen (issue #5)"),
     ("cu_seqlens_k", "varlen (issue #5)"),
@@ -305,6 +299,36 @@ def test_pending_feature_not_implemented(name, feature):
     with pytest.raises(NotImplementedError, match=f"^{esc(name)} is not implemented yet: "
                                                   f"{esc(feature)}$"):
         attention(q, k, v, **{name: _pending_value(name)})
+
+
+@pytest.mark.parametrize("name", ["attn_mask", "attn_bias"])
+def test_elementwise_on_kernels_not_implemented(monkeypatch, name):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the kernel path
+    q, k, v = make()
+    value = torch.ones(B, 1, 1, S, dtype=torch.bool if name == "attn_mask" else torch.float16)
+    with pytest.raises(NotImplementedError, match=f"^{name} on the Triton kernels is not "
+                                                  f"implemented yet: element masks and bias"):
+        attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("shape", [(B, H, S), (2, H, S, S), (B, 3, S, S), (B, H, S + 1, S),
+                                   (B, H, S, 2)])
+def test_elementwise_shape(shape):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=esc(f"attn_bias has shape {shape}, not broadcastable to "
+                                             f"(B={B}, H in {{1,{H},{H}}}, Sq={S}, Sk={S})")):
+        attention(q, k, v, attn_bias=torch.zeros(shape, dtype=torch.float16))
+
+
+def test_elementwise_dtypes():
+    q, k, v = make()
+    with pytest.raises(TypeError, match="^attn_bias has dtype torch.int32; expected one of"):
+        attention(q, k, v, attn_bias=torch.zeros(B, H, S, S, dtype=torch.int32))
+    with pytest.raises(TypeError, match="^attn_mask has dtype torch.int64; expected one of "
+                                        "torch.bool, torch.uint8"):
+        attention(q, k, v, attn_mask=torch.ones(B, H, S, S, dtype=torch.int64))
+    with pytest.raises(TypeError, match="^attn_mask must be a torch.Tensor or None, got list"):
+        attention(q, k, v, attn_mask=[[True]])
 
 
 def test_block_mask_wrong_type():
