@@ -69,3 +69,14 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="attention_mask has 3 query rows"):
         prepare_dynamic_mask(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 9), 2,
                              torch.ones(1, 1, 3, 9, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(12, 12), (5, 17), (17, 17)])
+def test_causal_topk_without_a_causal_mask(seqlen_q, seqlen_k):
+    torch.manual_seed(seqlen_q)
+    scores = torch.randn(2, 3, 1, seqlen_k)
+    causal = (torch.arange(seqlen_k)[None, :]
+              <= torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)[None, None]
+    keep = topk_mask(scores, 4, causal=True, seqlen_q=seqlen_q, chunk_size=5)
+    assert keep.shape == (2, 3, seqlen_q, seqlen_k)
+    assert torch.equal(keep, brute_force(scores, 4, causal))

@@ -3,8 +3,8 @@ keys with the largest scores among the keys it may see.
 
 Shapes stay as small as the inputs allow: a per-key score (B, H, 1, Sk) without a row-dependent
 mask gives a (B, H, 1, Sk) mask. With a row-dependent mask (causal, padding per row) the result is
-(B, H, Sq, Sk) bool, built in chunks of query rows: the float temporary is (B, H, chunk, Sk),
-never (B, H, Sq, Sk).
+(B, H, Sq, Sk) bool (one byte per element: the cost of per-row top-k), built in chunks of query
+rows: the float temporary is (B, H, chunk, Sk), never (B, H, Sq, Sk).
 """
 from __future__ import annotations
 
@@ -26,20 +26,26 @@ def _allowed(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tensor | None = None,
-              chunk_size: int = 1024) -> torch.Tensor:
+              chunk_size: int = 1024, causal: bool = False,
+              seqlen_q: int | None = None) -> torch.Tensor:
     """Bool keep mask: for each row, the `window_size` largest `scores` among the keys that
-    `attention_mask` allows (all of them when a row allows at most `window_size`).
+    `attention_mask` (and `causal`) allow (all of them when a row allows at most `window_size`).
 
     scores: (..., Sq|1, Sk) float; attention_mask: bool or additive float, broadcastable to it.
-    Returns bool of the broadcast shape of the two, rows of size 1 staying 1.
+    causal: bottom-right aligned, built per chunk of rows, so no (Sq, Sk) causal mask is ever
+    needed; seqlen_q gives the number of rows when neither scores nor the mask has them.
+    Returns bool of the broadcast shape of the inputs (with Sq rows when causal).
     """
     if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size <= 0:
         raise ValueError(f"window_size must be a positive int, got {window_size!r}")
     allowed = _allowed(attention_mask)
     shape = torch.broadcast_shapes(scores.shape, allowed.shape) if allowed is not None \
         else scores.shape
+    if causal:
+        rows = seqlen_q if seqlen_q is not None else shape[-2]
+        shape = torch.broadcast_shapes(shape, (rows, 1))
     seqlen_k = shape[-1]
-    if seqlen_k <= window_size:
+    if seqlen_k <= window_size and not causal:
         keep = allowed if allowed is not None else torch.ones((), dtype=torch.bool,
                                                               device=scores.device)
         return keep.expand(shape)
@@ -50,11 +56,17 @@ def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tens
         chunk_allowed = None
         if allowed is not None:
             chunk_allowed = allowed[..., rows, :] if allowed.shape[-2] > 1 else allowed
-            chunk_scores = chunk_scores.float().masked_fill(~chunk_allowed, float("-inf"))
-        top = torch.topk(chunk_scores, window_size, dim=-1, sorted=False).indices
         chunk_shape = (*shape[:-2], min(chunk_size, shape[-2] - start), seqlen_k)
+        if causal:
+            q_idx = torch.arange(start, start + chunk_shape[-2], device=scores.device)
+            k_idx = torch.arange(seqlen_k, device=scores.device)
+            by_causal = k_idx[None, :] <= q_idx[:, None] + seqlen_k - shape[-2]  # [chunk, Sk]
+            chunk_allowed = by_causal if chunk_allowed is None else chunk_allowed & by_causal
+        if chunk_allowed is not None:
+            chunk_scores = chunk_scores.float().masked_fill(~chunk_allowed, float("-inf"))
+        top = torch.topk(chunk_scores, min(window_size, seqlen_k), dim=-1, sorted=False).indices
         keep = torch.zeros(chunk_shape, dtype=torch.bool, device=scores.device)
-        keep.scatter_(-1, top.expand(*chunk_shape[:-1], window_size), True)
+        keep.scatter_(-1, top.expand(*chunk_shape[:-1], top.shape[-1]), True)
         if chunk_allowed is not None:
             # rows allowing fewer keys than the window must not keep masked ones
             keep &= chunk_allowed
@@ -64,12 +76,13 @@ def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tens
 
 def prepare_dynamic_mask(hidden_states: torch.Tensor, dt_states: torch.Tensor,
                          keep_window_size: int = 2048,
-                         attention_mask: torch.Tensor | None = None):
+                         attention_mask: torch.Tensor | None = None, causal: bool = False):
     """Bias and keep mask of Dynamic Mask Attention from dt states.
 
     hidden_states: the query states (B, H, Sq, D) (their dtype and Sq are used);
     dt_states: (B, Hk, Sk) per-key scores; attention_mask: bool (True = keep) or additive float,
-    broadcastable to (B, Hk, Sq, Sk).
+    broadcastable to (B, Hk, Sq, Sk); causal (an addition to the original): bottom-right aligned
+    causal applied row by row without materialising a causal mask.
     Returns (attn_bias (B, Hk, 1, Sk) in hidden_states' dtype, attn_mask bool (B, Hk, 1|Sq, Sk)):
     each row keeps its `keep_window_size` largest dt states among the keys attention_mask allows
     (all allowed keys when Sk <= keep_window_size). Unlike the original, the bias is not filled
@@ -81,5 +94,6 @@ def prepare_dynamic_mask(hidden_states: torch.Tensor, dt_states: torch.Tensor,
     if allowed is not None and allowed.shape[-2] not in (1, hidden_states.shape[2]):
         raise ValueError(f"attention_mask has {allowed.shape[-2]} query rows, expected 1 or "
                          f"Sq = {hidden_states.shape[2]}")
-    attn_mask = topk_mask(dt_states[:, :, None, :], keep_window_size, allowed)
+    attn_mask = topk_mask(dt_states[:, :, None, :], keep_window_size, allowed, causal=causal,
+                          seqlen_q=hidden_states.shape[2])
     return attn_bias, attn_mask

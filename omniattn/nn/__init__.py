@@ -1,0 +1,4 @@
+"""Modules built on omniattn.attention."""
+from .dynamic_mask_attention import DynamicMaskAttention
+
+__all__ = ["DynamicMaskAttention"]
