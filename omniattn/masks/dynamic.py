@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _allowed(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def allowed_keys(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Bool keep mask from a bool mask (True = keep) or an additive float mask (0 = keep,
     negative = masked: transformers' 4-D convention)."""
     if attention_mask is None or attention_mask.dtype == torch.bool:
@@ -38,7 +38,7 @@ def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tens
     """
     if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size <= 0:
         raise ValueError(f"window_size must be a positive int, got {window_size!r}")
-    allowed = _allowed(attention_mask)
+    allowed = allowed_keys(attention_mask)
     shape = torch.broadcast_shapes(scores.shape, allowed.shape) if allowed is not None \
         else scores.shape
     if causal:
@@ -90,7 +90,7 @@ def prepare_dynamic_mask(hidden_states: torch.Tensor, dt_states: torch.Tensor,
     tiles it hides.
     """
     attn_bias = dt_states[:, :, None, :].to(hidden_states.dtype)
-    allowed = _allowed(attention_mask)
+    allowed = allowed_keys(attention_mask)
     if allowed is not None and allowed.shape[-2] not in (1, hidden_states.shape[2]):
         raise ValueError(f"attention_mask has {allowed.shape[-2]} query rows, expected 1 or "
                          f"Sq = {hidden_states.shape[2]}")
