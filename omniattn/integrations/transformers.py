@@ -41,7 +41,6 @@ def flash_dynamic_mask_attention_forward(module, query, key, value, attention_ma
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     if attention_mask is not None and attention_mask.dim() == 4:
         causal = False
-    causal = causal and seqlen_q > 1  # a single decoding query sees the whole cache
     if window_size is not None and attention_bias is not None and seqlen_k > window_size:
         keep = topk_mask(attention_bias, window_size, keep, causal=causal, seqlen_q=seqlen_q)
     dropout = kwargs.get("dropout", 0.0)
