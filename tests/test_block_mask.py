@@ -8,7 +8,7 @@ import torch
 import omniattn
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
 from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask
-from test_schedule import predicate
+from test_schedule import expand_blocks, predicate
 
 BLOCK_SIZES = [16, 32, 48, (16, 64), (64, 32)]
 
@@ -16,9 +16,7 @@ BLOCK_SIZES = [16, 32, 48, (16, 64), (64, 32)]
 def element_visibility(mask: BlockMask) -> torch.Tensor:
     """(B|1, H|1, Sq, Sk) bool, expanded in full: test-only, tiny shapes."""
     seqlen_q, seqlen_k = mask.seq_lengths
-    block_q, block_k = mask.block_size
-    states = mask.states.repeat_interleave(block_q, 2).repeat_interleave(block_k, 3)
-    states = states[..., :seqlen_q, :seqlen_k]
+    states = expand_blocks(mask.states, *mask.block_size, seqlen_q, seqlen_k)
     left, right = mask.predicate.left, mask.predicate.right
     by_predicate = predicate(seqlen_q, seqlen_k, False, (left, right)).to(states.device)
     return (states == FULL) | ((states == PARTIAL) & by_predicate)

@@ -19,7 +19,7 @@ from enum import IntEnum
 import torch
 
 from ..api import attention
-from ..kernels.schedule import FULL, HIDDEN, PARTIAL, lists_from_blocks
+from ..kernels.schedule import FULL, HIDDEN, PARTIAL, blocks_from_lists, lists_from_blocks
 from ..masks.block_mask import BlockMask
 
 
@@ -31,15 +31,10 @@ class BlockMaskType(IntEnum):
 
 def _types_to_states(kv_num_blocks, kv_indices, block_mask_types, n_k_blocks) -> torch.Tensor:
     """int8 (B, H, n_q_blocks, n_k_blocks) block states: CAUSAL -> PARTIAL (causal predicate)."""
-    listed = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_num_blocks[..., None]
     state_of_type = torch.tensor([HIDDEN, PARTIAL, FULL], dtype=torch.int8,
                                  device=kv_indices.device)
-    states = torch.full((*kv_num_blocks.shape, n_k_blocks + 1), HIDDEN, dtype=torch.int8,
-                        device=kv_indices.device)
-    # unlisted slots write into a spare column that is dropped
-    target = torch.where(listed, kv_indices.long(), n_k_blocks)
-    states.scatter_(-1, target, state_of_type[block_mask_types.long()])
-    return states[..., :n_k_blocks]
+    return blocks_from_lists(kv_num_blocks, kv_indices, n_k_blocks,
+                             values=state_of_type[block_mask_types.long()])
 
 
 def omni_attention_forward(q, k, v, kv_num_blocks, kv_indices, block_mask_types,

@@ -124,13 +124,19 @@ class KernelArgs:
         return self.softcap * math.log2(math.e)
 
 
-def blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """(..., R) counts + (..., R, C) indices -> dense bool (..., R, n_cols) block picture."""
+def blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int,
+                      values: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., R) counts + (..., R, C) indices -> dense (..., R, n_cols) block picture: bool (True
+    where listed), or `values` (..., R, C) scattered to the listed columns (0 elsewhere)."""
     listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None].long()
     # unlisted slots scatter into a spare column that is dropped
     target = torch.where(listed, indices.long(), n_cols)
-    blocks = torch.zeros(*num_blocks.shape, n_cols + 1, dtype=torch.bool, device=indices.device)
-    blocks.scatter_(-1, target, True)
+    dtype = torch.bool if values is None else values.dtype
+    blocks = torch.zeros(*num_blocks.shape, n_cols + 1, dtype=dtype, device=indices.device)
+    if values is None:
+        blocks.scatter_(-1, target, True)
+    else:
+        blocks.scatter_(-1, target, values.expand_as(target))
     return blocks[..., :n_cols]
 
 
@@ -140,6 +146,12 @@ def lists_from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     # stable sort of "not listed" puts the listed columns first, in increasing order
     indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return num_blocks, indices.contiguous()
+
+
+def transposed_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(num, indices) of PARTIAL then of FULL blocks per key column: the lists dK/dV walk."""
+    return (*lists_from_blocks(partial.transpose(-1, -2)),
+            *lists_from_blocks(full.transpose(-1, -2)))
 
 
 @dataclass
@@ -171,11 +183,9 @@ class Schedule:
             full_kv_indices = torch.zeros_like(kv_indices[..., :1])
         partial = blocks_from_lists(kv_num_blocks, kv_indices, n_tiles_k)
         full = blocks_from_lists(full_kv_num_blocks, full_kv_indices, n_tiles_k)
-        q_num, q_idx = lists_from_blocks(partial.transpose(-1, -2))
-        full_q_num, full_q_idx = lists_from_blocks(full.transpose(-1, -2))
         return Schedule(block_m, block_n, kv_num_blocks.int(), kv_indices.int().contiguous(),
                         full_kv_num_blocks.int(), full_kv_indices.int().contiguous(),
-                        q_num, q_idx, full_q_num, full_q_idx)
+                        *transposed_lists(partial, full))
 
     @staticmethod
     def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
@@ -183,12 +193,8 @@ class Schedule:
         """Build from dense bool block pictures (B|1, H|1, n_q_tiles, n_k_tiles)."""
         if full is None:
             full = torch.zeros_like(partial)
-        kv_num, kv_idx = lists_from_blocks(partial)
-        full_num, full_idx = lists_from_blocks(full)
-        q_num, q_idx = lists_from_blocks(partial.transpose(-1, -2))
-        full_q_num, full_q_idx = lists_from_blocks(full.transpose(-1, -2))
-        return Schedule(block_m, block_n, kv_num, kv_idx, full_num, full_idx,
-                        q_num, q_idx, full_q_num, full_q_idx)
+        return Schedule(block_m, block_n, *lists_from_blocks(partial), *lists_from_blocks(full),
+                        *transposed_lists(partial, full))
 
     @staticmethod
     def _operands(num_blocks, indices, batch, heads, n_rows):

@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 
 from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, RelativePredicate, Schedule,
-                                blocks_from_lists, lists_from_blocks)
+                                blocks_from_lists, lists_from_blocks, transposed_lists)
 
 
 class BlockMask:
@@ -118,8 +118,7 @@ class BlockMask:
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices): per key block, which query
         blocks see it. Built once, for the backward pass."""
-        states = self.states.transpose(-1, -2)
-        return (*lists_from_blocks(states == PARTIAL), *lists_from_blocks(states == FULL))
+        return transposed_lists(self.states == PARTIAL, self.states == FULL)
 
     def _check_indices(self) -> None:
         n_k = self.n_blocks[1]
