@@ -6,8 +6,9 @@ import math
 import torch
 
 from .autograd import triton_attention
-from .kernels.configs import forward_config, interpreting
-from .kernels.schedule import KernelArgs, RelativePredicate
+from .kernels.configs import backward_config, forward_config, interpreting
+from .kernels.elementwise import Elementwise, mask_tile_states
+from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
 from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
@@ -132,6 +133,39 @@ def _kernel_tile(block: int, preferred: int) -> int:
     return tile
 
 
+def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask):
+    """Schedule of a block mask and/or an element mask, each pass at its own tiles, and the
+    kernel arguments whose predicate its PARTIAL tiles apply (attention's ANDed with the mask's).
+    The element mask is read once, by the pre-pass, at the finest tile any pass uses."""
+    head_dim, seqlen_q, num_heads = q.shape[-1], q.shape[1], q.shape[2]
+    seqlen_k = k.shape[1]
+    fwd = forward_config(head_dim, q.dtype, masked=True)
+    bwd = backward_config(head_dim, q.dtype, masked=True)
+    tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
+    outer_args = args
+    outer = RelativePredicate(args.window_left, args.window_right)
+    if block_mask is not None:
+        block_q, block_k = block_mask.block_size
+        tiles = [(_kernel_tile(block_q, m), _kernel_tile(block_k, n)) for m, n in tiles]
+        merged = outer & block_mask.predicate
+        # PARTIAL tiles apply attention's predicate ANDed with the mask's own
+        args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
+        if attn_mask is None:
+            return block_mask.kernel_schedule(*tiles, outer, num_heads), args
+    fine_m, fine_n = math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles))
+    mask_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q, seqlen_k,
+                                   fine_m, fine_n, outer_args)
+
+    def states_at(block_m: int, block_n: int) -> torch.Tensor:
+        element = coarsen_states(mask_states, block_m // fine_m, block_n // fine_n)
+        if block_mask is not None:
+            return block_mask.kernel_states(block_m, block_n, outer, element)
+        return torch.minimum(outer.classify(seqlen_q, seqlen_k, block_m, block_n, q.device),
+                             element)
+
+    return Schedule.build(states_at, *tiles, num_heads), args
+
+
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
@@ -171,8 +205,9 @@ def attention(
         attn_mask: bool (True = keep) or numeric (nonzero = keep), broadcastable to
             (B, Hm, Sq, Sk) with Hm in {1, Hk, H}; size-1 dims are read with stride 0.
         attn_bias: fp16/bf16/fp32, broadcastable like attn_mask, added to the scores after the
-            softcap; differentiable, its gradient comes back in its own shape.
-            Both run on the reference path today (CPU tensors); the kernels get them in issue #4.
+            softcap; differentiable, its gradient comes back in its own shape (summed over the
+            dims it broadcasts, inside the backward pass). The mask is classified per tile by a
+            pre-pass: all-kept tiles skip the mask load, all-masked tiles are never loaded.
         block_mask: an omniattn.BlockMask for (Sq, Sk): only its listed blocks are computed; its
             PARTIAL blocks apply its own causal/window predicate; ANDed with causal/window.
         deterministic: the backward pass is always deterministic (no atomics); accepted for
@@ -206,24 +241,11 @@ def attention(
         _check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k)
 
     if _use_kernels(q):
-        for name, value in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
-            if value is not None:
-                raise NotImplementedError(
-                    f"{name} on the Triton kernels is not implemented yet: element masks and "
-                    f"bias (issue #4); CPU tensors without TRITON_INTERPRET=1 run it on the "
-                    f"reference path")
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
         schedule = None
-        if block_mask is not None:
-            outer = RelativePredicate(args.window_left, args.window_right)
-            merged = outer & block_mask.predicate
-            # PARTIAL tiles apply attention's predicate ANDed with the mask's own
-            args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
-            cfg = forward_config(q.shape[-1], q.dtype, masked=True)
-            schedule = block_mask.kernel_schedule(_kernel_tile(block_mask.block_size[0], cfg.block_m),
-                                                  _kernel_tile(block_mask.block_size[1], cfg.block_n),
-                                                  outer)
-        out, lse = triton_attention(q, k, v, args, schedule)
+        if block_mask is not None or attn_mask is not None:
+            schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask)
+        out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),

@@ -41,24 +41,30 @@ def assert_close(name: str, actual, expected, baseline, dtype) -> None:
     assert err <= bound, f"{name}: error {err:.3g} > 2 x torch {base:.3g} + atol {ATOL[dtype]:.1g}"
 
 
-def oracle(q, k, v, dout, **kwargs):
-    """(out, lse, dq, dk, dv) of the float64 reference and of plain PyTorch in q's dtype."""
+def oracle(q, k, v, dout, attn_bias=None, **kwargs):
+    """(out, lse, dq, dk, dv[, dbias]) of the float64 reference and of plain PyTorch in q's dtype;
+    dbias when attn_bias is given."""
     results = []
     for upcast in (True, False):
-        inputs = [t.detach().double() if upcast else t.detach().clone() for t in (q, k, v)]
+        leaves = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+        inputs = [t.detach().double() if upcast else t.detach().clone() for t in leaves]
         inputs = [t.requires_grad_() for t in inputs]
-        out, lse = attention_reference(*inputs, return_lse=True, upcast=upcast, **kwargs)
+        bias = inputs[3] if attn_bias is not None else None
+        out, lse = attention_reference(*inputs[:3], attn_bias=bias, return_lse=True,
+                                       upcast=upcast, **kwargs)
         grads = torch.autograd.grad(out, inputs, dout.to(out.dtype))
         results.append((out.detach(), lse.detach(), *grads))
     return results
 
 
 def check_against_reference(out, lse, grads, q, k, v, dout, **kwargs) -> None:
-    """Compare kernel out/lse/(dq, dk, dv) with the oracle; grads may be None (forward only)."""
+    """Compare kernel out/lse/(dq, dk, dv[, dbias]) with the oracle; grads may be None (forward
+    only); a 4th gradient is compared with dbias (attn_bias must be among kwargs)."""
     exact, plain = oracle(q, k, v, dout, **kwargs)
     dtype = q.dtype
     assert_close("out", out, exact[0], plain[0], dtype)
     assert_close("lse", lse, exact[1], plain[1], torch.float32 if dtype == torch.float32 else dtype)
     if grads is not None:
-        for name, got, ref, base in zip(("dq", "dk", "dv"), grads, exact[2:], plain[2:]):
+        for name, got, ref, base in zip(("dq", "dk", "dv", "dbias"), grads, exact[2:], plain[2:]):
+            assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
             assert_close(name, got, ref, base, dtype)

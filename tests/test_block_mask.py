@@ -83,7 +83,10 @@ def test_repr_picture_and_transposed_lists():
 def test_kernel_schedule_is_cached():
     mask = omniattn.causal_block_mask(64, 64, 32)
     predicate_none = mask.predicate.make()
-    assert mask.kernel_schedule(16, 16, predicate_none) is mask.kernel_schedule(16, 16, predicate_none)
+    tiles = ((16, 16), (32, 16), (16, 32))
+    assert mask.kernel_schedule(*tiles, predicate_none, 2) is \
+        mask.kernel_schedule(*tiles, predicate_none, 2)
+    assert mask.kernel_states(16, 16, predicate_none) is mask.kernel_states(16, 16, predicate_none)
 
 
 def test_flex_round_trip():

@@ -301,16 +301,6 @@ def test_pending_feature_not_implemented(name, feature):
         attention(q, k, v, **{name: _pending_value(name)})
 
 
-@pytest.mark.parametrize("name", ["attn_mask", "attn_bias"])
-def test_elementwise_on_kernels_not_implemented(monkeypatch, name):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the kernel path
-    q, k, v = make()
-    value = torch.ones(B, 1, 1, S, dtype=torch.bool if name == "attn_mask" else torch.float16)
-    with pytest.raises(NotImplementedError, match=f"^{name} on the Triton kernels is not "
-                                                  f"implemented yet: element masks and bias"):
-        attention(q, k, v, **{name: value})
-
-
 @pytest.mark.parametrize("shape", [(B, H, S), (2, H, S, S), (B, 3, S, S), (B, H, S + 1, S),
                                    (B, H, S, 2)])
 def test_elementwise_shape(shape):

@@ -37,7 +37,8 @@ def run_kernels(q, k, v, dout, causal=False, window=None, softmax_scale=None, so
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     out = nan_like(q)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    attention_forward(q.detach(), k.detach(), v.detach(), args, schedule, out=out, lse=lse)
+    attention_forward(q.detach(), k.detach(), v.detach(), args,
+                      schedule.forward if schedule is not None else None, out=out, lse=lse)
     grads = (nan_like(q), nan_like(k), nan_like(v))
     attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, args, schedule,
                        dq=grads[0], dk=grads[1], dv=grads[2])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
-from omniattn.kernels.schedule import Schedule
+from omniattn.kernels.schedule import (FULL, HIDDEN, PARTIAL, Schedule, blocks_from_lists,
+                                       coarsen_states)
 from test_kernels import run_kernels
 
 
@@ -79,24 +80,34 @@ def test_explicit_schedule(case, block):
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
 
 
-def test_lists_and_blocks_agree():
-    """from_kv_lists (FlexAttention-style lists) builds the same transposed lists as from_blocks."""
+def test_transposed_lists_round_trip():
+    """The dK/dV lists (per key tile) are the transpose of the forward lists (per query tile)."""
     generator = torch.Generator().manual_seed(0)
     partial, full = random_schedule(2, 3, 5, 7, 0.5, 0.4, generator)
-    by_blocks = Schedule.from_blocks(16, 16, partial, full)
-    by_lists = Schedule.from_kv_lists(16, 16, 7, by_blocks.kv_num_blocks, by_blocks.kv_indices,
-                                      by_blocks.full_kv_num_blocks, by_blocks.full_kv_indices)
-    for name in ("q_num_blocks", "full_q_num_blocks"):
-        assert torch.equal(getattr(by_blocks, name), getattr(by_lists, name))
-    for count, name in (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
-        num = getattr(by_blocks, count)
-        slots = torch.arange(getattr(by_blocks, name).shape[-1], device=num.device) < num[..., None]
-        assert torch.equal(getattr(by_blocks, name)[slots], getattr(by_lists, name)[slots])
-    # transposing twice gives back the block picture
-    for num, idx, blocks in ((by_blocks.q_num_blocks, by_blocks.q_indices, partial),
-                             (by_blocks.full_q_num_blocks, by_blocks.full_q_indices, full)):
-        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        picture = torch.zeros(2, 3, 7, 6, dtype=torch.bool, device=idx.device)
-        picture.scatter_(-1, torch.where(listed, idx.long(), 5), True)  # column 5: unlisted slots
-        assert torch.equal(picture[..., :5].transpose(-1, -2), blocks)
+    schedule = Schedule.from_blocks(16, 16, partial, full)
+    fwd, t = schedule.forward, schedule.dkdv
+    for blocks, (num, idx), (t_num, t_idx) in (
+            (partial, (fwd.num_blocks, fwd.indices), (t.num_blocks, t.indices)),
+            (full, (fwd.full_num_blocks, fwd.full_indices), (t.full_num_blocks, t.full_indices))):
+        assert torch.equal(blocks_from_lists(num, idx, 7), blocks)
+        assert torch.equal(blocks_from_lists(t_num, t_idx, 5).transpose(-1, -2), blocks)
+
+
+@pytest.mark.parametrize("factors", [(1, 1), (2, 4), (3, 2), (8, 8)], ids=str)
+def test_coarsen_states(factors):
+    """A coarse tile is FULL iff all its sub-tiles are, HIDDEN iff all are, else PARTIAL."""
+    factor_m, factor_n = factors
+    generator = torch.Generator().manual_seed(factor_m * 10 + factor_n)
+    states = torch.randint(0, 3, (2, 1, 7, 9), generator=generator, dtype=torch.int8)
+    states[0, 0, :4, :4] = FULL
+    states[1, 0, :4, :4] = HIDDEN
+    coarse = coarsen_states(states, factor_m, factor_n)
+    n_m, n_n = -(-7 // factor_m), -(-9 // factor_n)
+    assert coarse.shape == (2, 1, n_m, n_n) and coarse.dtype == torch.int8
+    for i in range(n_m):
+        for j in range(n_n):
+            sub = states[..., i * factor_m:(i + 1) * factor_m, j * factor_n:(j + 1) * factor_n]
+            expected = torch.where((sub == FULL).flatten(2).all(-1), FULL,
+                                   torch.where((sub == HIDDEN).flatten(2).all(-1), HIDDEN, PARTIAL))
+            assert torch.equal(coarse[..., i, j], expected.to(torch.int8))
 

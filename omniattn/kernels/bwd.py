@@ -8,10 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, implicit_q_range, load_rows, schedule_phase,
-                     schedule_rows, scores_log2, visible_elements)
+from .common import (LOG2E, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
+                     schedule_phase, schedule_rows, scores_log2, store_pair_tile,
+                     visible_elements)
 from .configs import backward_config, padded_head_dim
-from .schedule import KernelArgs, Schedule
+from .elementwise import Elementwise
+from .schedule import KernelArgs, Schedule, TileLists
 
 
 @triton.jit
@@ -37,17 +39,26 @@ def _bwd_preprocess(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile, tile_list, first_tile, num_tiles,
-    offs_m, offs_n, offs_d, stride_qm, stride_dom,
+    dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
+    tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
+    mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
+    dbias_cols, stride_dbm, stride_dbn, cols_left,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_ACCUMULATE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV [BN, BD] of one key tile over `num_tiles` query tiles (transposed form:
-    scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing."""
+    scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing.
+    mask_cols / bias_cols / dbias_cols point at this key tile's first key (query 0). With DBIAS
+    the score gradient goes to dbias: stored per element, or summed over queries into
+    dbias_keys [BN] when the bias has one row for every query."""
+    local_n = tl.arange(0, offs_n.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
             tile_m = tl.load(tile_list + i)
@@ -69,33 +80,56 @@ def _dkdv_tiles(
         lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BN, BM]
         s_t, capped_t = scores_log2(qk_t, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        if HAS_BIAS:
+            bias_t = load_pair_tile(bias_cols + start_m.to(tl.int64) * stride_bm, local_n, offs_m,
+                                    stride_bn, stride_bm, cols_left, seqlen_q - start_m,
+                                    BIAS_COLS_SHARED, BIAS_ROWS_SHARED, EVEN_N, EVEN_M)
+            s_t += bias_t.to(tl.float32) * LOG2E
         p_t = tl.exp2(s_t - lse[None, :])
         if PARTIAL:
-            visible = visible_elements(rows, offs_n, seqlen_k, diag_offset, window_left,
-                                       window_right, HAS_LEFT, HAS_RIGHT)  # [BM, BN]
-            p_t = tl.where(tl.trans(visible), p_t, 0.0)
+            visible_t = tl.trans(visible_elements(rows, offs_n, seqlen_k, diag_offset, window_left,
+                                                  window_right, HAS_LEFT, HAS_RIGHT))  # [BN, BM]
+            if HAS_MASK:
+                keep_t = load_pair_tile(mask_cols + start_m.to(tl.int64) * stride_mm, local_n,
+                                        offs_m, stride_mn, stride_mm, cols_left,
+                                        seqlen_q - start_m, MASK_COLS_SHARED, MASK_ROWS_SHARED,
+                                        EVEN_N, EVEN_M)
+                visible_t = visible_t & (keep_t != 0)
+            p_t = tl.where(visible_t, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (dp_t - delta[None, :])  # d loss / d (score + bias)
+        if DBIAS:
+            if BIAS_ROWS_SHARED:
+                dbias_keys += tl.sum(ds_t, 1)
+            else:
+                store_pair_tile(dbias_cols + start_m.to(tl.int64) * stride_dbm, ds_t, local_n,
+                                offs_m, stride_dbn, stride_dbm, cols_left, seqlen_q - start_m,
+                                DBIAS_ACCUMULATE)
         if SOFTCAP:
             ds_t = ds_t * (1.0 - capped_t * capped_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
+    return dk, dv, dbias_keys
 
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
+    dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
+    mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    DBIAS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ [BM, BD] of one query tile over `num_tiles` key tiles. Keys past Sk load
-    k = v = 0, so they add nothing to dQ."""
+    k = v = 0, so they add nothing to dQ. With DBIAS (a bias with one column for every key) the
+    score gradient is summed over keys into dbias_rows [BM]."""
+    local_m = tl.arange(0, offs_m.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
             tile_n = tl.load(tile_list + i)
@@ -109,17 +143,29 @@ def _dq_tiles(
                       HEAD_DIM, BLOCK_D)  # [BN, BD]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
         s, capped = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        if HAS_BIAS:
+            bias = load_pair_tile(bias_rows + start_n.to(tl.int64) * stride_bn, local_m, offs_n,
+                                  stride_bm, stride_bn, rows_left, seqlen_k - start_n,
+                                  BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N)
+            s += bias.to(tl.float32) * LOG2E
         p = tl.exp2(s - lse[:, None])
         if PARTIAL:
             visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
                                        window_right, HAS_LEFT, HAS_RIGHT)
+            if HAS_MASK:
+                keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
+                                      offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
+                                      MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N)
+                visible = visible & (keep != 0)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         ds = p * (dp - delta[:, None])
+        if DBIAS:
+            dbias_rows += tl.sum(ds, 1)
         if SOFTCAP:
             ds = ds * (1.0 - capped * capped)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+    return dq, dbias_rows
 
 
 @triton.jit
@@ -130,14 +176,22 @@ def _dkdv_program(
     QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
+    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn,
     seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`."""
+    """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
+    (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
+    into the slot of KV head `off_hk` when DBIAS_PER_QHEAD is off."""
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     local_n = tl.arange(0, BLOCK_N)
@@ -149,6 +203,7 @@ def _dkdv_program(
                   + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_q_range(
         start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -160,6 +215,13 @@ def _dkdv_program(
             + offs_m[:, None] * stride_dom + offs_d[None, :]
         lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
         delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        mask_cols = mask_batch + (off_h // mask_head_div).to(tl.int64) * stride_mh \
+            + start_n.to(tl.int64) * stride_mn
+        bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
+            + start_n.to(tl.int64) * stride_bn
+        dbias_slot = off_h if DBIAS_PER_QHEAD else off_hk
+        dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
+            + start_n.to(tl.int64) * stride_dbn
         part_num, part_idx, full_num, full_idx = schedule_rows(
             QNum, QIdx, FullQNum, FullQIdx, off_b, off_h, tile_n,
             stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
@@ -168,13 +230,24 @@ def _dkdv_program(
             tile_list, first_tile, num_tiles = schedule_phase(
                 phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
                 lo, full_lo, full_hi, hi)
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_tile, do_tile, lse_tile, delta_tile,
-                tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d,
-                stride_qm, stride_dom, seqlen_q, seqlen_k, diag_offset,
-                window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                EXPLICIT, phase != 1, EVEN_M, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            dk, dv, dbias_keys = _dkdv_tiles(
+                dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
+                tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
+                mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
+                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n,
+                seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
                 HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+        if DBIAS and BIAS_ROWS_SHARED:
+            # a key bias: the sum over this head's queries (and the group's, in one slot)
+            if DBIAS_PER_QHEAD or g == group - 1:
+                tl.store(dbias_cols + local_n * stride_dbn,
+                         dbias_keys.to(dbias_cols.dtype.element_ty), mask=offs_n < seqlen_k)
+                dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
     dk = dk * softmax_scale
     dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
         + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
@@ -193,14 +266,20 @@ def _dq_program(
     KvNum, KvIdx, FullKvNum, FullKvIdx,
     stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
+    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
+    dbias_batch, stride_dbh, stride_dbm,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    DBIAS: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dQ of query tile `tile_m` of query head `off_h`."""
+    """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
+    every key) also its dbias rows, in the slot of query head `off_h`."""
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
@@ -218,7 +297,12 @@ def _dq_program(
     delta = tl.load(Delta + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
     k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    mask_rows = mask_batch + (off_h // mask_head_div).to(tl.int64) * stride_mh \
+        + start_m.to(tl.int64) * stride_mm
+    bias_rows = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
+        + start_m.to(tl.int64) * stride_bm
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
         start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -230,17 +314,29 @@ def _dq_program(
         tile_list, first_tile, num_tiles = schedule_phase(
             phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,
             lo, full_lo, full_hi, hi)
-        dq = _dq_tiles(
-            dq, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
-            offs_m, offs_n, offs_d, stride_kn, stride_vn, seqlen_k, diag_offset,
-            window_left, window_right, qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        dq, dbias_rows = _dq_tiles(
+            dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
+            offs_m, offs_n, offs_d, stride_kn, stride_vn,
+            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
+            seqlen_k, diag_offset, window_left, window_right,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS,
             HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
         + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    if DBIAS:
+        dbias_ptr = dbias_batch + off_h.to(tl.int64) * stride_dbh
+        if BIAS_ROWS_SHARED:
+            # rows past Sq have p = 0, so they add nothing to the sum over queries
+            tl.store(dbias_ptr, tl.sum(dbias_rows, 0).to(dbias_ptr.dtype.element_ty))
+        else:
+            tl.store(dbias_ptr + offs_m * stride_dbm, dbias_rows.to(dbias_ptr.dtype.element_ty),
+                     mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -260,12 +356,18 @@ def _bwd_kernel(
     QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
+    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
+    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -277,6 +379,9 @@ def _bwd_kernel(
     off_hk = off_bhk % num_heads_k
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    mask_batch = Mask + off_b.to(tl.int64) * stride_mb
+    bias_batch = Bias + off_b.to(tl.int64) * stride_bb
+    dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb
     if pid < n_tiles_n:
         _dkdv_program(
             pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
@@ -285,9 +390,15 @@ def _bwd_kernel(
             stride_lb, stride_lh, QNum, QIdx, FullQNum, FullQIdx,
             stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
             stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+            mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
+            bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn,
             seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+            DBIAS and not BIAS_COLS_SHARED, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
     else:
         work = pid - n_tiles_n
@@ -299,34 +410,74 @@ def _bwd_kernel(
             KvNum, KvIdx, FullKvNum, FullKvIdx,
             stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+            mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
+            bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
+            dbias_batch, stride_dbh, stride_dbm,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS and BIAS_COLS_SHARED,
             EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
 
 
+def _dbias_buffer(bias: torch.Tensor, batch: int, num_heads: int, num_heads_k: int):
+    """Where the kernels write dbias, and how it reduces to the bias's shape.
+
+    A bias spanning the keys gets its gradient in the dK/dV programs: one slot per query head
+    when the bias has H heads, else one per KV head (the program sums its group in place). A bias
+    with one column for all keys gets it in the dQ programs, one slot per query head. Slots and
+    batches the bias broadcasts are summed afterwards. Returns (buffer, per_qhead, reduce)."""
+    bias_batch, bias_heads, rows, cols = bias.shape
+    per_qhead = cols == 1 or bias_heads == num_heads
+    slots = num_heads if per_qhead else num_heads_k
+    accumulate = cols != 1 and rows != 1 and not per_qhead and num_heads > num_heads_k
+    reduce = slots != bias_heads or bias_batch != batch
+    dtype = torch.float32 if reduce or accumulate else bias.dtype
+    # elements of tiles no program visits must read 0; other layouts are written in full
+    alloc = torch.zeros if cols != 1 and rows != 1 else torch.empty
+    buffer = alloc((batch, slots, rows, cols), dtype=dtype, device=bias.device)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        if not reduce:
+            return buf.to(bias.dtype)
+        summed = buf.view(batch, bias_heads, slots // bias_heads, rows, cols).sum(2)
+        if bias_batch != batch:
+            summed = summed.sum(0, keepdim=True)
+        return summed.to(bias.dtype)
+
+    return buffer, per_qhead, finish
+
+
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
-                       dlse: torch.Tensor | None = None, dq=None, dk=None, dv=None):
-    """Gradients (dq, dk, dv) shaped like (q, k, v); dk/dv are reduced over each KV group.
-    dlse (B, H, Sq), the gradient reaching lse, enters as delta - dlse (d lse / d s = p).
-    dq / dk / dv may be given (preallocated)."""
+                       mask: Elementwise | None = None, bias: Elementwise | None = None,
+                       bias_grad: bool = False, dlse: torch.Tensor | None = None,
+                       dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
+    group; dbias is None unless bias_grad. dlse (B, H, Sq), the gradient reaching lse, enters as
+    delta - dlse (d lse / d s = p). dq / dk / dv may be given (preallocated)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
-    cfg = backward_config(head_dim, q.dtype, masked=args.masked)
+    cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
-    # reverse with (block_m2, block_n2). Explicit schedules fix both to the schedule's tiles.
+    # reverse with (block_m2, block_n2). Explicit schedules carry their own tiles.
     if schedule is not None:
-        block_m1 = block_m2 = schedule.block_m
-        block_n1 = block_n2 = schedule.block_n
+        block_m1, block_n1 = schedule.dkdv.block_m, schedule.dkdv.block_n
+        block_m2, block_n2 = schedule.dq.block_m, schedule.dq.block_n
     else:
         block_m1, block_n1, block_m2, block_n2 = cfg.block_m1, cfg.block_n1, cfg.block_m2, cfg.block_n2
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    dbias_buffer, dbias_per_qhead, finish_dbias = None, True, None
+    if bias_grad:
+        dbias_buffer, dbias_per_qhead, finish_dbias = _dbias_buffer(bias.tensor, batch, num_heads,
+                                                                    num_heads_k)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dbias = finish_dbias(dbias_buffer.zero_()) if bias_grad else None
+        return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta = torch.empty_like(lse)
@@ -341,10 +492,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     n_tiles_m = triton.cdiv(seqlen_q, block_m2)
     n_tiles_n = triton.cdiv(seqlen_k, block_n1)
     if schedule is not None:
-        fwd_sched = schedule.forward_operands(batch, num_heads, n_tiles_m)
-        t_sched = schedule.transposed_operands(batch, num_heads, n_tiles_n)
+        fwd_sched = schedule.dq.operands(batch, num_heads, n_tiles_m)
+        t_sched = schedule.dkdv.operands(batch, num_heads, n_tiles_n)
     else:
-        fwd_sched = t_sched = Schedule.placeholder_operands(q.device)
+        fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
+    unused = Elementwise.placeholder_operands(q.device)
+    dbias_operands = (dbias_buffer, *dbias_buffer.stride()) if bias_grad else unused[:5]
     grid = (n_tiles_n + group * n_tiles_m, batch * num_heads_k)
     _bwd_kernel[grid](
         q, k, v, dout, lse, delta, dq, dk, dv,
@@ -357,15 +510,24 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1),
         *fwd_sched, *t_sched,
+        *(mask.operands() if mask is not None else unused),
+        *(bias.operands() if bias is not None else unused),
+        *dbias_operands,
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
+        HAS_MASK=mask is not None, MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+        MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+        HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
+        BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
+        DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead,
         EXPLICIT=schedule is not None,
         EVEN_M1=seqlen_q % block_m1 == 0, EVEN_N1=seqlen_k % block_n1 == 0,
-        EVEN_M2=seqlen_q % block_m2 == 0, EVEN_N2=seqlen_k % block_n2 == 0, DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        EVEN_M2=seqlen_q % block_m2 == 0, EVEN_N2=seqlen_k % block_n2 == 0,
+        DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dv
+    return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None

@@ -38,6 +38,40 @@ def visible_elements(
 
 
 @triton.jit
+def load_pair_tile(base, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
+                   A_SHARED: tl.constexpr, B_SHARED: tl.constexpr,
+                   EVEN_A: tl.constexpr, EVEN_B: tl.constexpr):
+    """[A, B]-broadcastable tile of a mask or bias at local offsets (offs_a, offs_b) from `base`;
+    a dimension the tensor broadcasts (size 1, *_SHARED) is loaded once, not per element.
+    Elements outside (n_a, n_b) read 0."""
+    if A_SHARED and B_SHARED:
+        return tl.load(base)
+    if A_SHARED:
+        if EVEN_B:
+            return tl.load(base + offs_b * stride_b)[None, :]
+        return tl.load(base + offs_b * stride_b, mask=offs_b < n_b, other=0)[None, :]
+    if B_SHARED:
+        if EVEN_A:
+            return tl.load(base + offs_a * stride_a)[:, None]
+        return tl.load(base + offs_a * stride_a, mask=offs_a < n_a, other=0)[:, None]
+    ptrs = base + offs_a[:, None] * stride_a + offs_b[None, :] * stride_b
+    if EVEN_A and EVEN_B:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_a[:, None] < n_a) & (offs_b[None, :] < n_b), other=0)
+
+
+@triton.jit
+def store_pair_tile(base, value, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
+                    ACCUMULATE: tl.constexpr):
+    """Store (or add into, for a sum over query heads within one program) an [A, B] tile."""
+    ptrs = base + offs_a[:, None] * stride_a + offs_b[None, :] * stride_b
+    inside = (offs_a[:, None] < n_a) & (offs_b[None, :] < n_b)
+    if ACCUMULATE:
+        value += tl.load(ptrs, mask=inside, other=0.0)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def tanh(x):
     # exp2-based so it runs the same under the interpreter; saturates cleanly at +-1
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)

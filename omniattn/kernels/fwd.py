@@ -6,24 +6,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, load_rows, schedule_phase, schedule_rows,
-                     scores_log2, visible_elements)
+from .common import (LOG2E, implicit_kv_range, load_pair_tile, load_rows, schedule_phase,
+                     schedule_rows, scores_log2, visible_elements)
 from .configs import forward_config, padded_head_dim
-from .schedule import KernelArgs, Schedule
+from .elementwise import Elementwise
+from .schedule import KernelArgs, TileLists
 
 
 @triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
+    mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+    FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ..."""
+    """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
+    mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias."""
+    local_m = tl.arange(0, offs_m.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
             tile_n = tl.load(tile_list + i)
@@ -37,9 +43,19 @@ def _fwd_tiles(
                       HEAD_DIM, BLOCK_D)  # [BN, BD]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
         s, _ = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+        if HAS_BIAS:
+            bias = load_pair_tile(bias_rows + start_n.to(tl.int64) * stride_bn, local_m, offs_n,
+                                  stride_bm, stride_bn, rows_left, seqlen_k - start_n,
+                                  BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N)
+            s += bias.to(tl.float32) * LOG2E
         if PARTIAL:
             visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
                                        window_right, HAS_LEFT, HAS_RIGHT)
+            if HAS_MASK:
+                keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
+                                      offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
+                                      MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N)
+                visible = visible & (keep != 0)
             s = tl.where(visible, s, float("-inf"))
         elif not EVEN_N:
             # a FULL tile of an explicit schedule may still run past Sk
@@ -68,10 +84,14 @@ def _fwd_kernel(
     stride_kib, stride_kih, stride_kim,
     stride_fnb, stride_fnh, stride_fnm,
     stride_fib, stride_fih, stride_fim,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
+    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -96,6 +116,10 @@ def _fwd_kernel(
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BN, BD] at key 0
+    mask_rows = Mask + off_b.to(tl.int64) * stride_mb \
+        + (off_h // mask_head_div).to(tl.int64) * stride_mh + start_m.to(tl.int64) * stride_mm
+    bias_rows = Bias + off_b.to(tl.int64) * stride_bb \
+        + (off_h // bias_head_div).to(tl.int64) * stride_bh + start_m.to(tl.int64) * stride_bm
     v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
 
     q = load_rows(q_base + local_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
@@ -120,10 +144,12 @@ def _fwd_kernel(
         acc, m_i, l_i = _fwd_tiles(
             acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
             offs_m, offs_n, offs_d, stride_kn, stride_vn,
+            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
             seqlen_k, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            EXPLICIT, phase != 1, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+            BIAS_COLS_SHARED, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
@@ -145,9 +171,12 @@ def _fwd_kernel(
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                      schedule: Schedule | None = None, out: torch.Tensor | None = None,
+                      schedule: TileLists | None = None, mask: Elementwise | None = None,
+                      bias: Elementwise | None = None, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32.
+    `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask
+    is applied in its PARTIAL tiles, the bias in every visited tile.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
@@ -162,8 +191,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if out.numel() == 0:
         return out, lse
     n_tiles_m = triton.cdiv(seqlen_q, block_m)
-    sched = schedule.forward_operands(batch, num_heads, n_tiles_m) if schedule is not None \
-        else Schedule.placeholder_operands(q.device)
+    sched = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \
+        else TileLists.placeholder_operands(q.device)
+    unused = Elementwise.placeholder_operands(q.device)
     _fwd_kernel[(n_tiles_m, batch * num_heads)](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -172,11 +202,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         *sched,
+        *(mask.operands() if mask is not None else unused),
+        *(bias.operands() if bias is not None else unused),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_left, args.window_right,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
+        HAS_MASK=mask is not None, MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+        MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+        HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
+        BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
         EXPLICIT=schedule is not None, EVEN_M=seqlen_q % block_m == 0,
         EVEN_N=seqlen_k % block_n == 0,
         REVERSE_M=schedule is None and args.has_right and not args.has_left,

@@ -154,70 +154,117 @@ def transposed_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.T
             *lists_from_blocks(full.transpose(-1, -2)))
 
 
-@dataclass
-class Schedule:
-    """Explicit BCSR schedule at the kernel's tile size (block_m, block_n).
+def coarsen_states(states: torch.Tensor, factor_m: int, factor_n: int) -> torch.Tensor:
+    """int8 (..., n_m, n_n) tile states -> states of tiles factor_m x factor_n times larger: FULL
+    iff every sub-tile is FULL, HIDDEN iff every one is HIDDEN. Only for element-exact states
+    (mask / predicate): a coarse PARTIAL tile re-applies the element terms, not the sub-tile map."""
+    if factor_m == factor_n == 1:
+        return states
+    *lead, n_m, n_n = states.shape
+    pad_m, pad_n = -n_m % factor_m, -n_n % factor_n
+    # edge padding repeats the last tile: it changes neither the min nor the max
+    padded = torch.nn.functional.pad(states.float().reshape(-1, 1, n_m, n_n), (0, pad_n, 0, pad_m),
+                                     mode="replicate")
+    window = (factor_m, factor_n)
+    lowest = -torch.nn.functional.max_pool2d(-padded, window)
+    highest = torch.nn.functional.max_pool2d(padded, window)
+    coarse = torch.where(highest == HIDDEN, HIDDEN, torch.where(lowest == FULL, FULL, PARTIAL))
+    return coarse.to(torch.int8).reshape(*lead, *coarse.shape[-2:])
 
-    kv_num_blocks (B|1, H|1, n_q_tiles) int32 and kv_indices (B|1, H|1, n_q_tiles, C) int32 list
-    the PARTIAL key tiles of each query tile; full_kv_* the FULL ones (FlexAttention's layout).
-    q_* / full_q_* are the transposed lists (per key tile, which query tiles) used by dK/dV.
-    """
+
+@dataclass
+class TileLists:
+    """BCSR lists at one tile size (block_m query rows x block_n keys): per row tile, the PARTIAL
+    column tiles (num_blocks, indices) then the FULL ones. Rows are query tiles for the forward
+    and dQ passes and key tiles (transposed lists) for dK/dV. Leading dims (B|1, H|1, n_rows)."""
 
     block_m: int
     block_n: int
-    kv_num_blocks: torch.Tensor
-    kv_indices: torch.Tensor
-    full_kv_num_blocks: torch.Tensor
-    full_kv_indices: torch.Tensor
-    q_num_blocks: torch.Tensor
-    q_indices: torch.Tensor
-    full_q_num_blocks: torch.Tensor
-    full_q_indices: torch.Tensor
+    num_blocks: torch.Tensor
+    indices: torch.Tensor
+    full_num_blocks: torch.Tensor
+    full_indices: torch.Tensor
 
     @staticmethod
-    def from_kv_lists(block_m: int, block_n: int, n_tiles_k: int, kv_num_blocks, kv_indices,
-                      full_kv_num_blocks=None, full_kv_indices=None) -> "Schedule":
-        """Build a schedule (with its transposed lists) from the query-side lists."""
-        if full_kv_num_blocks is None:
-            full_kv_num_blocks = torch.zeros_like(kv_num_blocks)
-            full_kv_indices = torch.zeros_like(kv_indices[..., :1])
-        partial = blocks_from_lists(kv_num_blocks, kv_indices, n_tiles_k)
-        full = blocks_from_lists(full_kv_num_blocks, full_kv_indices, n_tiles_k)
-        return Schedule(block_m, block_n, kv_num_blocks.int(), kv_indices.int().contiguous(),
-                        full_kv_num_blocks.int(), full_kv_indices.int().contiguous(),
-                        *transposed_lists(partial, full))
+    def from_states(states: torch.Tensor, block_m: int, block_n: int,
+                    transposed: bool = False) -> "TileLists":
+        """From int8 (B|1, H|1, n_q_tiles, n_k_tiles) HIDDEN/PARTIAL/FULL states."""
+        if transposed:
+            states = states.transpose(-1, -2)
+        return TileLists(block_m, block_n, *lists_from_blocks(states == PARTIAL),
+                         *lists_from_blocks(states == FULL))
 
-    @staticmethod
-    def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
-                    full: torch.Tensor | None = None) -> "Schedule":
-        """Build from dense bool block pictures (B|1, H|1, n_q_tiles, n_k_tiles)."""
-        if full is None:
-            full = torch.zeros_like(partial)
-        return Schedule(block_m, block_n, *lists_from_blocks(partial), *lists_from_blocks(full),
-                        *transposed_lists(partial, full))
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.num_blocks, self.indices, self.full_num_blocks, self.full_indices]
 
-    @staticmethod
-    def _operands(num_blocks, indices, batch, heads, n_rows):
-        num = num_blocks.expand(batch, heads, n_rows)
-        idx = indices.expand(batch, heads, n_rows, indices.shape[-1])
-        return (num, idx), (*num.stride(), *idx.stride()[:3])
-
-    def _pair(self, num_a, idx_a, num_b, idx_b, batch, heads, n_rows):
-        (na, ia), sa = self._operands(num_a, idx_a, batch, heads, n_rows)
-        (nb, ib), sb = self._operands(num_b, idx_b, batch, heads, n_rows)
-        return (na, ia, nb, ib, *sa, *sb)
-
-    def forward_operands(self, batch: int, heads: int, n_tiles_m: int) -> tuple:
+    def operands(self, batch: int, heads: int, n_rows: int) -> tuple:
         """Kernel operands: 4 tensors then the (b, h, row) strides of each, broadcasts as stride 0."""
-        return self._pair(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
-                          self.full_kv_indices, batch, heads, n_tiles_m)
-
-    def transposed_operands(self, batch: int, heads: int, n_tiles_n: int) -> tuple:
-        return self._pair(self.q_num_blocks, self.q_indices, self.full_q_num_blocks,
-                          self.full_q_indices, batch, heads, n_tiles_n)
+        tensors, strides = [], []
+        for num, idx in ((self.num_blocks, self.indices), (self.full_num_blocks, self.full_indices)):
+            num = num.expand(batch, heads, n_rows)
+            idx = idx.expand(batch, heads, n_rows, idx.shape[-1])
+            tensors += [num, idx]
+            strides += [*num.stride(), *idx.stride()[:3]]
+        return (*tensors, *strides)
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
         """Operands for implicit schedules: never read by the kernels."""
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (dummy, dummy, dummy, dummy) + (0,) * 12
+
+
+@dataclass
+class Schedule:
+    """Explicit schedule for one attention call: the lists each pass walks, at its own tiles.
+
+    forward: key tiles per query tile at the forward tile; dq: the same at the dQ tile
+    (block_m2, block_n2); dkdv: query tiles per key tile at the dK/dV tile (block_m1, block_n1).
+    """
+
+    forward: TileLists
+    dq: TileLists
+    dkdv: TileLists
+
+    @staticmethod
+    def build(states_at, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
+              dkdv_tile: tuple[int, int], num_heads: int) -> "Schedule":
+        """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs in
+        {1, Hk, H}; states of one tile size are computed once even if two passes share it."""
+        cache: dict[tuple[int, int], torch.Tensor] = {}
+
+        def states(tile):
+            if tile not in cache:
+                s = states_at(*tile)
+                if s.shape[1] not in (1, num_heads):  # per KV head: one copy per query head
+                    s = s.repeat_interleave(num_heads // s.shape[1], dim=1)
+                cache[tile] = s
+            return cache[tile]
+
+        return Schedule(TileLists.from_states(states(forward_tile), *forward_tile),
+                        TileLists.from_states(states(dq_tile), *dq_tile),
+                        TileLists.from_states(states(dkdv_tile), *dkdv_tile, transposed=True))
+
+    @staticmethod
+    def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
+                    full: torch.Tensor | None = None) -> "Schedule":
+        """One tile size for every pass, from dense bool block pictures (B|1, H|1, nQ, nK)."""
+        states = partial.to(torch.int8) * PARTIAL
+        if full is not None:
+            states = torch.where(full, FULL, states).to(torch.int8)
+        lists = TileLists.from_states(states, block_m, block_n)
+        return Schedule(lists, lists, TileLists.from_states(states, block_m, block_n, True))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.forward.tensors() + self.dq.tensors() + self.dkdv.tensors()
+
+    def tiles(self) -> list[int]:
+        return [self.forward.block_m, self.forward.block_n, self.dq.block_m, self.dq.block_n,
+                self.dkdv.block_m, self.dkdv.block_n]
+
+    @staticmethod
+    def from_parts(tensors: list[torch.Tensor], tiles: list[int]) -> "Schedule":
+        """Inverse of (tensors(), tiles()): how a schedule crosses the custom-op boundary."""
+        parts = [TileLists(tiles[2 * i], tiles[2 * i + 1], *tensors[4 * i: 4 * i + 4])
+                 for i in range(3)]
+        return Schedule(*parts)

@@ -2,7 +2,7 @@
 PARTIAL blocks apply.
 
 Blocks are (BQ, BK) = `block_size`, any multiples of 16, independent of the kernel's tiles: the
-kernels run it through `kernel_schedule`, which maps user blocks onto kernel tiles.
+kernels run it through `kernel_states`, which maps user blocks onto kernel tiles.
 A block is FULL (every element visible, no predicate: FlexAttention's semantics), PARTIAL (the
 predicate decides each element) or absent (hidden, never loaded). The predicate is relative to the
 bottom-right aligned diagonal, like `attention`'s own: `causal` and/or `window=(left, right)`.
@@ -64,6 +64,7 @@ class BlockMask:
         self.seq_lengths = (int(seqlen_q), int(seqlen_k))
         self.predicate = RelativePredicate.make(causal, window)
         self._check_indices()
+        self._kernel_states: dict[tuple, torch.Tensor] = {}
         self._kernel_schedules: dict[tuple, Schedule] = {}
 
     @classmethod
@@ -139,19 +140,17 @@ class BlockMask:
         states = self.states[:, :, q_idx // block_q]
         return states[..., torch.arange(seqlen_k, device=states.device) // block_k]
 
-    def kernel_schedule(self, block_m: int, block_n: int, predicate: RelativePredicate) -> Schedule:
-        """Schedule at kernel tiles (block_m, block_n) that divide the user blocks, for
-        attention's own `predicate` ANDed with this mask's. A tile is FULL when its user block is
-        FULL and attention's predicate holds on the whole tile, or its user block is PARTIAL and
-        both predicates hold on it; HIDDEN when either hides it; PARTIAL otherwise. Cached: a mask
-        reused across steps (and by the backward pass) is converted once."""
+    def kernel_states(self, block_m: int, block_n: int, predicate: RelativePredicate,
+                      element_states: torch.Tensor | None = None) -> torch.Tensor:
+        """int8 (B|1, H|1, n_q_tiles, n_k_tiles) states at kernel tiles (block_m, block_n) that
+        divide the user blocks, for attention's own `predicate` (and element-mask tile states,
+        broadcastable) ANDed with this mask's. A tile is FULL when its user block is FULL and the
+        outer terms hold on the whole tile, or its user block is PARTIAL and everything holds on
+        it; HIDDEN when anything hides it; PARTIAL otherwise. Without element states the result
+        is cached: a mask reused across steps (and by the backward pass) is converted once."""
         key = (block_m, block_n, predicate)
-        if key not in self._kernel_schedules:
-            self._kernel_schedules[key] = self._build_kernel_schedule(block_m, block_n, predicate)
-        return self._kernel_schedules[key]
-
-    def _build_kernel_schedule(self, block_m: int, block_n: int,
-                               predicate: RelativePredicate) -> Schedule:
+        if element_states is None and key in self._kernel_states:
+            return self._kernel_states[key]
         block_q, block_k = self.block_size
         if block_q % block_m or block_k % block_n:
             raise ValueError(f"kernel tiles ({block_m}, {block_n}) must divide the mask's "
@@ -165,16 +164,36 @@ class BlockMask:
         outer = predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
         merged = (predicate & self.predicate).classify(*self.seq_lengths, block_m, block_n,
                                                        device=device)
+        if element_states is not None:
+            outer = torch.minimum(outer, element_states)
+            merged = torch.minimum(merged, element_states)
         # the kernels apply one predicate (the merged one) in PARTIAL tiles: a FULL block that
-        # attention's predicate cuts must not be cut by the mask's own predicate as well
-        own = self.predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
-        if ((user == FULL) & (outer == PARTIAL) & (own != FULL)).any():
-            raise NotImplementedError(
-                "this BlockMask has FULL blocks that its own causal/window predicate would cut, "
-                "and attention's causal/window cuts them too; the kernels apply one predicate per "
-                "tile. Build the mask with the combined predicate instead of passing both")
+        # the outer terms cut must not be cut by the mask's own predicate as well
+        if not self.predicate.unbounded:
+            own = self.predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
+            if ((user == FULL) & (outer == PARTIAL) & (own != FULL)).any():
+                raise NotImplementedError(
+                    "this BlockMask has FULL blocks that its own causal/window predicate would "
+                    "cut, and attention's causal/window or attn_mask cuts them too; the kernels "
+                    "apply one predicate per tile. Build the mask with the combined predicate "
+                    "instead of passing both")
         state = torch.where(user == FULL, outer, torch.where(user == PARTIAL, merged, HIDDEN))
-        return Schedule.from_blocks(block_m, block_n, state == PARTIAL, state == FULL)
+        state = state.to(torch.int8)
+        if element_states is None:
+            self._kernel_states[key] = state
+        return state
+
+    def kernel_schedule(self, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
+                        dkdv_tile: tuple[int, int], predicate: RelativePredicate,
+                        num_heads: int) -> Schedule:
+        """The kernels' schedule (every pass at its own tiles) for attention's `predicate`;
+        cached, so a mask reused across steps is converted once."""
+        key = (forward_tile, dq_tile, dkdv_tile, predicate, num_heads)
+        if key not in self._kernel_schedules:
+            self._kernel_schedules[key] = Schedule.build(
+                lambda m, n: self.kernel_states(m, n, predicate), forward_tile, dq_tile,
+                dkdv_tile, num_heads)
+        return self._kernel_schedules[key]
 
     def to_flex(self):
         """torch.nn.attention.flex_attention.BlockMask with the same blocks. Its PARTIAL blocks

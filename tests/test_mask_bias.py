@@ -1,0 +1,149 @@
+"""Element mask + learnable bias on the kernels (issue #4) against the float64 reference: output,
+lse, dq, dk, dv and dbias in the bias's own shape, for every broadcast form.
+
+Uninitialised memory is filled with NaN (torch's deterministic mode), so an output or gradient
+element the kernels fail to write fails the test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omniattn
+from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from test_block_mask import element_visibility, random_block_mask
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_memory():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def elementwise_shape(form: str, batch: int, heads: int, heads_k: int, seqlen_q: int,
+                      seqlen_k: int) -> tuple[int, ...]:
+    """form: 4 letters for (batch, heads, Sq, Sk): b/1, h (H) / k (Hk) / 1, q/1, s/1."""
+    sizes = {"b": batch, "h": heads, "k": heads_k, "q": seqlen_q, "s": seqlen_k, "1": 1}
+    return tuple(sizes[c] for c in form)
+
+
+def make_mask(shape, dtype, generator, keep_fraction=0.7):
+    keep = torch.rand(shape, generator=generator) < keep_fraction
+    if dtype == torch.bool:
+        return keep.to(DEVICE)
+    return keep.to(dtype).to(DEVICE)
+
+
+def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
+             bias_form, causal=False, window=None, softcap=0.0, block_mask=None,
+             masked_rows=False, neg_inf_bias=False):
+    generator = torch.Generator().manual_seed(seqlen_q * 31 + seqlen_k + heads_k)
+    torch.manual_seed(seqlen_q + 7 * seqlen_k)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    dims = (batch, heads, heads_k, seqlen_q, seqlen_k)
+    mask = bias = None
+    if mask_form is not None:
+        mask = make_mask(elementwise_shape(mask_form, *dims), mask_dtype, generator)
+        if masked_rows:
+            mask[..., : min(3, mask.shape[2]), :] = 0  # rows that see no key
+    if bias_form is not None:
+        bias = torch.randn(elementwise_shape(bias_form, *dims), generator=generator)
+        if neg_inf_bias:
+            bias[torch.rand(bias.shape, generator=generator) < 0.2] = float("-inf")
+        bias = bias.to(device=DEVICE, dtype=dtype).requires_grad_()
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                  attn_mask=mask, attn_bias=bias, block_mask=block_mask,
+                                  return_lse=True)
+    leaves = (q, k, v) if bias is None else (q, k, v, bias)
+    grads = torch.autograd.grad(out, leaves, dout)
+    for name, g in zip(("dq", "dk", "dv", "dbias"), grads):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+    keep = mask
+    if block_mask is not None:
+        visible = element_visibility(block_mask)
+        keep = visible if keep is None else (keep != 0) & visible
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=causal, window=window,
+                            softcap=softcap, attn_mask=keep, attn_bias=bias)
+    return out, grads
+
+
+# (B, Sq, Sk, H, Hk, D, dtype, mask form, mask dtype, bias form, causal, window, softcap)
+CASES = [
+    (2, 37, 45, 4, 2, 32, torch.float16, "bhqs", torch.bool, "bhqs", False, None, 0.0),
+    (2, 37, 45, 4, 2, 32, torch.float16, "b11s", torch.bool, "bh1s", True, None, 0.0),
+    (1, 33, 29, 4, 2, 32, torch.float16, "1kqs", torch.uint8, "1kqs", False, None, 0.0),
+    (2, 30, 41, 4, 2, 16, torch.float16, "bkq1", torch.float16, "bkq1", True, None, 0.0),
+    (2, 19, 35, 4, 1, 32, torch.float16, "11qs", torch.bool, "1111", False, (7, 5), 0.0),
+    (2, 40, 33, 4, 4, 32, torch.float32, "bhqs", torch.float32, "11qs", True, None, 3.0),
+    (1, 17, 50, 2, 1, 64, torch.float16, "1hqs", torch.bool, "1k1s", False, None, 0.0),
+    (2, 21, 21, 4, 2, 32, torch.float16, None, None, "b1qs", True, None, 0.0),
+    (2, 21, 34, 4, 2, 32, torch.float16, "bhqs", torch.bool, None, False, None, 0.0),
+    (1, 1, 17, 2, 2, 32, torch.float16, "bhqs", torch.bool, "bhqs", False, None, 0.0),
+]
+if GPU:
+    CASES = [(b, sq * 9, sk * 9, h, hk, 4 * d, dt, mf, md, bf, c,
+              None if w is None else (w[0] * 9, w[1] * 9), cap)
+             for (b, sq, sk, h, hk, d, dt, mf, md, bf, c, w, cap) in CASES]
+    CASES += [(b, sq, sk, h, hk, d, torch.bfloat16, mf, md, bf, c, w, cap)
+              for (b, sq, sk, h, hk, d, dt, mf, md, bf, c, w, cap) in CASES
+              if dt == torch.float16]
+
+
+def case_id(case):
+    return "-".join(str(x) for x in case).replace("torch.", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_mask_and_bias(case):
+    (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype, bias_form,
+     causal, window, softcap) = case
+    run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
+             bias_form, causal=causal, window=window, softcap=softcap)
+
+
+def test_fully_masked_rows_and_neg_inf_bias():
+    """Rows that keep no key and -inf bias entries: 0 output, -inf lse, finite gradients."""
+    seqlen = 200 if GPU else 29
+    out, grads = run_case(2, seqlen, seqlen + 3, 4, 2, 32, torch.float16, "bhqs", torch.bool,
+                          "bhqs", causal=True, masked_rows=True, neg_inf_bias=True)
+    assert (out[:, :3] == 0).all()
+
+
+def test_block_mask_with_mask_and_bias():
+    """A block mask, an element mask and a bias together: the schedule is their AND."""
+    seqlen_q, seqlen_k = (300, 410) if GPU else (40, 53)
+    block_mask = random_block_mask(1, 4, seqlen_q, seqlen_k, 64 if GPU else 16, 0.6, 3)
+    run_case(2, seqlen_q, seqlen_k, 4, 2, 64 if GPU else 32, torch.float16, "b11s", torch.bool,
+             "bh1s", causal=True, block_mask=block_mask)
+
+
+def test_mask_tile_skipping():
+    """Key tiles the mask hides are never loaded (NaN keys there do not leak), and the
+    all-kept tiles are FULL: the schedule lists match the mask's tile picture."""
+    from omniattn.api import _explicit_schedule
+    from omniattn.kernels.configs import forward_config
+    from omniattn.kernels.schedule import KernelArgs
+
+    seqlen = 512 if GPU else 64
+    tile = forward_config(64, torch.float16, masked=True)
+    q, k, v = random_qkv(1, seqlen, seqlen, 2, 2, 64, torch.float16, requires_grad=False)
+    n_k = seqlen // tile.block_n
+    keep = torch.zeros(1, 1, seqlen, seqlen, dtype=torch.bool, device=DEVICE)
+    keep[..., :, : tile.block_n] = True  # key tile 0: FULL everywhere
+    keep[..., ::2, tile.block_n + 1] = True  # key tile 1: PARTIAL
+    k[:, 2 * tile.block_n:] = float("nan")  # key tiles >= 2: hidden, never loaded
+    v[:, 2 * tile.block_n:] = float("nan")
+    out = omniattn.attention(q, k, v, attn_mask=keep)
+    assert torch.isfinite(out).all()
+    schedule, _ = _explicit_schedule(q, k, KernelArgs.make(64, False, None, None, 0.0), None, keep)
+    fwd = schedule.forward
+    assert (fwd.full_num_blocks == 1).all() and (fwd.full_indices[..., 0] == 0).all()
+    assert (fwd.num_blocks == 1).all() and (fwd.indices[..., 0] == 1).all()
+    assert n_k > 2
+    check_against_reference(out, omniattn.attention(q, k, v, attn_mask=keep, return_lse=True)[1],
+                            None, q, k[:, :2 * tile.block_n], v[:, :2 * tile.block_n],
+                            torch.zeros_like(q), attn_mask=keep[..., : 2 * tile.block_n])
