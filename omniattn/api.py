@@ -7,7 +7,7 @@ import torch
 
 from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
-from .kernels.elementwise import Elementwise, mask_tile_states
+from .kernels.elementwise import Elementwise, mask_schedule, mask_tile_states
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
 from .masks.block_mask import BlockMask
 from .reference import attention_reference
@@ -152,16 +152,16 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask):
         args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
         if attn_mask is None:
             return block_mask.kernel_schedule(*tiles, outer, num_heads), args
+    mask = Elementwise.of(attn_mask, num_heads)
+    if block_mask is None:
+        return mask_schedule(mask, seqlen_q, seqlen_k, num_heads, outer_args, *tiles), args
+    # both: the element states join the block mask's on the host (tile-granular tensors)
     fine_m, fine_n = math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles))
-    mask_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q, seqlen_k,
-                                   fine_m, fine_n, outer_args)
+    mask_states = mask_tile_states(mask, seqlen_q, seqlen_k, fine_m, fine_n, outer_args)
 
     def states_at(block_m: int, block_n: int) -> torch.Tensor:
         element = coarsen_states(mask_states, block_m // fine_m, block_n // fine_n)
-        if block_mask is not None:
-            return block_mask.kernel_states(block_m, block_n, outer, element)
-        return torch.minimum(outer.classify(seqlen_q, seqlen_k, block_m, block_n, q.device),
-                             element)
+        return block_mask.kernel_states(block_m, block_n, outer, element)
 
     return Schedule.build(states_at, *tiles, num_heads), args
 

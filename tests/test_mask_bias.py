@@ -147,3 +147,63 @@ def test_mask_tile_skipping():
     check_against_reference(out, omniattn.attention(q, k, v, attn_mask=keep, return_lse=True)[1],
                             None, q, k[:, :2 * tile.block_n], v[:, :2 * tile.block_n],
                             torch.zeros_like(q), attn_mask=keep[..., : 2 * tile.block_n])
+
+
+def exact_tile_states(visible: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """int8 (..., nQ, nK) of a dense bool (..., Sq, Sk): FULL all visible, HIDDEN none."""
+    seqlen_q, seqlen_k = visible.shape[-2:]
+    n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    padded = torch.zeros(*visible.shape[:-2], n_m * block_m, n_n * block_n, dtype=torch.int32)
+    inside = torch.zeros_like(padded)
+    padded[..., :seqlen_q, :seqlen_k] = visible.cpu().int()
+    inside[..., :seqlen_q, :seqlen_k] = 1
+    tiles = (*visible.shape[:-2], n_m, block_m, n_n, block_n)
+    kept = padded.view(tiles).sum((-3, -1))
+    total = inside.view(tiles).sum((-3, -1))
+    return torch.where(kept == 0, 0, torch.where(kept == total, 2, 1)).to(torch.int8)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (20, 7))],
+                         ids=["dense", "causal", "window"])
+@pytest.mark.parametrize("form", ["bhqs", "b11s", "1kq1"])
+def test_mask_schedule_is_sound(form, causal, window):
+    """The device-built lists (pre-pass + list builder, tiles coarser than the pre-pass's): a
+    listed FULL tile has every element visible, an unlisted tile none, and every tile whose
+    elements are all visible is FULL (up to the ragged last tile of the listed dimension, which
+    the kernels treat as PARTIAL)."""
+    from omniattn.kernels.elementwise import Elementwise, mask_schedule
+    from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
+    from test_schedule import predicate
+
+    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 70, 90
+    generator = torch.Generator().manual_seed(len(form) + causal)
+    shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
+    mask = make_mask(shape, torch.bool, generator, keep_fraction=0.97)
+    mask[..., :32, :] = True  # FULL tiles
+    if mask.shape[-1] > 1:
+        mask[..., :, 48:64] = False  # HIDDEN tiles
+    args = KernelArgs.make(32, causal, window, None, 0.0)
+    tiles = ((32, 16), (16, 32), (32, 32))
+    schedule = mask_schedule(Elementwise.of(mask, heads), seqlen_q, seqlen_k, heads, args, *tiles)
+    visible = mask.expand(batch, -1, seqlen_q, seqlen_k) & predicate(seqlen_q, seqlen_k, causal,
+                                                                      window)
+    if visible.shape[1] == heads_k:
+        visible = visible.repeat_interleave(heads // heads_k, dim=1)
+    for lists, transposed in ((schedule.forward, False), (schedule.dq, False),
+                              (schedule.dkdv, True)):
+        exact = exact_tile_states(visible, lists.block_m, lists.block_n)
+        n_rows, n_cols = exact.shape[-2:] if not transposed else exact.shape[-2:][::-1]
+        pictures = [blocks_from_lists(num, idx, n_cols).cpu()
+                    for num, idx in ((lists.num_blocks, lists.indices),
+                                     (lists.full_num_blocks, lists.full_indices))]
+        partial, full = (p.transpose(-1, -2) if transposed else p for p in pictures)
+        partial, full = partial.expand_as(exact), full.expand_as(exact)
+        assert not (partial & full).any()
+        assert (exact[full] == 2).all(), "a FULL tile has a hidden element"
+        assert (exact[~(partial | full)] == 0).all(), "an unlisted tile has a visible element"
+        missed_full = (exact == 2) & ~full
+        if not transposed and seqlen_k % lists.block_n:
+            missed_full[..., -1] = False
+        if transposed and seqlen_q % lists.block_m:
+            missed_full[..., -1, :] = False
+        assert not missed_full.any(), "an all-visible tile is not FULL"

@@ -43,21 +43,26 @@ def load_pair_tile(base, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
                    EVEN_A: tl.constexpr, EVEN_B: tl.constexpr):
     """[A, B]-broadcastable tile of a mask or bias at local offsets (offs_a, offs_b) from `base`;
     a dimension the tensor broadcasts (size 1, *_SHARED) is loaded once, not per element.
-    Elements outside (n_a, n_b) read 0."""
+    Elements outside (n_a, n_b) read 0. One return: the compiler wants one result type."""
     if A_SHARED and B_SHARED:
-        return tl.load(base)
-    if A_SHARED:
+        tile = tl.load(base)
+    elif A_SHARED:
         if EVEN_B:
-            return tl.load(base + offs_b * stride_b)[None, :]
-        return tl.load(base + offs_b * stride_b, mask=offs_b < n_b, other=0)[None, :]
-    if B_SHARED:
+            tile = tl.load(base + offs_b * stride_b)[None, :]
+        else:
+            tile = tl.load(base + offs_b * stride_b, mask=offs_b < n_b, other=0)[None, :]
+    elif B_SHARED:
         if EVEN_A:
-            return tl.load(base + offs_a * stride_a)[:, None]
-        return tl.load(base + offs_a * stride_a, mask=offs_a < n_a, other=0)[:, None]
-    ptrs = base + offs_a[:, None] * stride_a + offs_b[None, :] * stride_b
-    if EVEN_A and EVEN_B:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(offs_a[:, None] < n_a) & (offs_b[None, :] < n_b), other=0)
+            tile = tl.load(base + offs_a * stride_a)[:, None]
+        else:
+            tile = tl.load(base + offs_a * stride_a, mask=offs_a < n_a, other=0)[:, None]
+    else:
+        ptrs = base + offs_a[:, None] * stride_a + offs_b[None, :] * stride_b
+        if EVEN_A and EVEN_B:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_a[:, None] < n_a) & (offs_b[None, :] < n_b), other=0)
+    return tile
 
 
 @triton.jit

@@ -2,14 +2,16 @@
 and the pre-pass that turns the mask into tile states for the schedule."""
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import implicit_kv_range
-from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs
+from .common import implicit_kv_range, implicit_q_range
+from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)
 
@@ -101,3 +103,110 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
         ROWS_SHARED=mask.rows_shared, COLS_SHARED=mask.cols_shared,
     )
     return states
+
+
+@triton.jit
+def _mask_lists_kernel(
+    Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n,
+    Num, Idx, FullNum, FullIdx, stride_nb, stride_nh, stride_ib, stride_ih, stride_ir,
+    n_cols, heads_out, head_div, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTOR_M: tl.constexpr, FACTOR_N: tl.constexpr,
+    TRANSPOSED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed) or,
+    TRANSPOSED, a key tile (query tiles listed). A tile's state is the AND (min) of the causal /
+    window state and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer
+    tiles. Tiles outside the causal / window range are not looked at. Listed in increasing order."""
+    row = tl.program_id(0)
+    off_b = tl.program_id(1) // heads_out
+    off_h = tl.program_id(1) % heads_out
+    if TRANSPOSED:
+        lo, full_lo, full_hi, hi = implicit_q_range(row * BLOCK_N, seqlen_q, seqlen_k, diag_offset,
+                                                    window_left, window_right, BLOCK_M, BLOCK_N,
+                                                    HAS_LEFT, HAS_RIGHT)
+    else:
+        lo, full_lo, full_hi, hi = implicit_kv_range(row * BLOCK_M, seqlen_q, seqlen_k,
+                                                     diag_offset, window_left, window_right,
+                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    fine = Fine + off_b * stride_fb + (off_h // head_div) * stride_fh
+    idx = Idx + off_b * stride_ib + off_h * stride_ih + row * stride_ir
+    full_idx = FullIdx + off_b * stride_ib + off_h * stride_ih + row * stride_ir
+    n_partial = 0
+    n_full = 0
+    for start in range(lo, hi, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        valid = cols < hi
+        by_predicate = tl.where((cols >= full_lo) & (cols < full_hi), _FULL, _PARTIAL)
+        lowest = tl.full([BLOCK_C], _FULL, tl.int32)
+        highest = tl.full([BLOCK_C], _HIDDEN, tl.int32)
+        for i in tl.static_range(FACTOR_M):
+            for j in tl.static_range(FACTOR_N):
+                if TRANSPOSED:
+                    fine_m = cols * FACTOR_M + i
+                    fine_n = row * FACTOR_N + j
+                else:
+                    fine_m = row * FACTOR_M + i
+                    fine_n = cols * FACTOR_N + j
+                inside = valid & (fine_m < n_fine_m) & (fine_n < n_fine_n)
+                sub = tl.load(fine + fine_m * stride_fm + fine_n * stride_fn, mask=inside,
+                              other=0).to(tl.int32)
+                lowest = tl.where(inside, tl.minimum(lowest, sub), lowest)
+                highest = tl.where(inside, tl.maximum(highest, sub), highest)
+        by_mask = tl.where(highest == _HIDDEN, _HIDDEN, tl.where(lowest == _FULL, _FULL, _PARTIAL))
+        state = tl.minimum(by_predicate, by_mask)
+        is_partial = valid & (state == _PARTIAL)
+        is_full = valid & (state == _FULL)
+        # stream compaction: the k-th listed tile of this chunk goes to slot count + k
+        tl.store(idx + n_partial + tl.cumsum(is_partial.to(tl.int32), 0) - 1, cols, mask=is_partial)
+        tl.store(full_idx + n_full + tl.cumsum(is_full.to(tl.int32), 0) - 1, cols, mask=is_full)
+        n_partial += tl.sum(is_partial.to(tl.int32), 0)
+        n_full += tl.sum(is_full.to(tl.int32), 0)
+    tl.store(Num + off_b * stride_nb + off_h * stride_nh + row, n_partial)
+    tl.store(FullNum + off_b * stride_nb + off_h * stride_nh + row, n_full)
+
+
+def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], tile: tuple[int, int],
+                transposed: bool, seqlen_q: int, seqlen_k: int, num_heads: int,
+                args: KernelArgs) -> TileLists:
+    """Lists at `tile` from the pre-pass states `fine` (B|1, Hm, n|1, n|1) at `fine_tile`.
+    Mask heads Hm in {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads."""
+    block_m, block_n = tile
+    batch, mask_heads, n_fine_m, n_fine_n = fine.shape
+    heads_out = 1 if mask_heads == 1 else num_heads
+    n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+    n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
+    num = torch.empty((batch, heads_out, n_rows), dtype=torch.int32, device=fine.device)
+    full_num = torch.empty_like(num)
+    idx = torch.empty((batch, heads_out, n_rows, n_cols), dtype=torch.int32, device=fine.device)
+    full_idx = torch.empty_like(idx)
+    # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
+    stride_fm = 0 if n_fine_m == 1 else fine.stride(2)
+    stride_fn = 0 if n_fine_n == 1 else fine.stride(3)
+    _mask_lists_kernel[(n_rows, batch * heads_out)](
+        fine, fine.stride(0), fine.stride(1), stride_fm, stride_fn,
+        n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
+        num, idx, full_num, full_idx, *num.stride()[:2], *idx.stride()[:3],
+        n_cols, heads_out, heads_out // mask_heads, seqlen_q, seqlen_k, seqlen_k - seqlen_q,
+        args.window_left, args.window_right,
+        BLOCK_M=block_m, BLOCK_N=block_n, FACTOR_M=block_m // fine_tile[0],
+        FACTOR_N=block_n // fine_tile[1], TRANSPOSED=transposed, HAS_LEFT=args.has_left,
+        HAS_RIGHT=args.has_right, BLOCK_C=min(128, triton.next_power_of_2(n_cols)),
+    )
+    return TileLists(block_m, block_n, num, idx, full_num, full_idx)
+
+
+def mask_schedule(mask: Elementwise, seqlen_q: int, seqlen_k: int, num_heads: int,
+                  args: KernelArgs, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
+                  dkdv_tile: tuple[int, int]) -> Schedule:
+    """The schedule of an element mask ANDed with causal / window, all on the device in four
+    launches (no host sync): the pre-pass reads the mask once at the finest tile any pass
+    uses, then each pass's lists are built from those states."""
+    tiles = (forward_tile, dq_tile, dkdv_tile)
+    fine_tile = (math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles)))
+    fine = mask_tile_states(mask, seqlen_q, seqlen_k, *fine_tile, args)
+    build = functools.partial(_mask_lists, fine, fine_tile, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                              num_heads=num_heads, args=args)
+    forward = build(forward_tile, False)
+    dq = forward if dq_tile == forward_tile else build(dq_tile, False)
+    return Schedule(forward, dq, build(dkdv_tile, True))
