@@ -133,14 +133,17 @@ def _kernel_tile(block: int, preferred: int) -> int:
     return tile
 
 
-def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask):
+def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=None):
     """Schedule of a block mask and/or an element mask, each pass at its own tiles, and the
     kernel arguments whose predicate its PARTIAL tiles apply (attention's ANDed with the mask's).
     The element mask is read once, by the pre-pass, at the finest tile any pass uses."""
     head_dim, seqlen_q, num_heads = q.shape[-1], q.shape[1], q.shape[2]
     seqlen_k = k.shape[1]
-    fwd = forward_config(head_dim, q.dtype, masked=True)
-    bwd = backward_config(head_dim, q.dtype, masked=True)
+    elementwise = attn_mask is not None or attn_bias is not None
+    full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
+    # the tiles must be those the launchers pick for the same call
+    fwd = forward_config(head_dim, q.dtype, masked=True, elementwise=elementwise)
+    bwd = backward_config(head_dim, q.dtype, masked=True, full_bias=full_bias)
     tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
     outer_args = args
     outer = RelativePredicate(args.window_left, args.window_right)
@@ -244,7 +247,7 @@ def attention(
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
         schedule = None
         if block_mask is not None or attn_mask is not None:
-            schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask)
+            schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias)
         out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,

@@ -460,7 +460,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
-    cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None)
+    cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
+                          full_bias=bias is not None and bias.spans_queries_and_keys)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
     # reverse with (block_m2, block_n2). Explicit schedules carry their own tiles.
     if schedule is not None:

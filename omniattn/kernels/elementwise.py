@@ -41,6 +41,10 @@ class Elementwise:
     def cols_shared(self) -> bool:
         return self.tensor.shape[3] == 1
 
+    @property
+    def spans_queries_and_keys(self) -> bool:
+        return not (self.rows_shared or self.cols_shared)
+
     def operands(self) -> tuple:
         return (self.tensor, *self.strides, self.head_div)
 
@@ -52,39 +56,44 @@ class Elementwise:
 @triton.jit
 def _mask_states_kernel(
     Mask, States, stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_sb, stride_sh, stride_sm, seqlen_q, seqlen_k, mask_rows, mask_cols, num_heads,
+    stride_sb, stride_sh, stride_sm, seqlen_q, seqlen_k, mask_rows, mask_cols, n_cols, num_heads,
     diag_offset, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, ROWS_SHARED: tl.constexpr, COLS_SHARED: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
 ):
-    """State of one (mask batch, mask head, query tile, key tile): HIDDEN if no element is kept,
-    FULL if all in-bounds ones are, else PARTIAL. Tiles the predicate hides are not read."""
-    tile_n = tl.program_id(0)
+    """States of TILES_PER_PROGRAM (mask batch, mask head, query tile, key tile) tiles: HIDDEN if
+    no element is kept, FULL if all in-bounds ones are, else PARTIAL. Tiles that causal/window
+    hide are HIDDEN without a read."""
     tile_m = tl.program_id(1)
     off_b = tl.program_id(2) // num_heads
     off_h = tl.program_id(2) % num_heads
     start_m = tile_m * BLOCK_M
-    start_n = tile_n * BLOCK_N
-    state_ptr = States + off_b * stride_sb + off_h * stride_sh + tile_m * stride_sm + tile_n
+    states = States + off_b * stride_sb + off_h * stride_sh + tile_m * stride_sm
+    lo = 0
+    hi = n_cols
     if not ROWS_SHARED and not COLS_SHARED:
         lo, _, _, hi = implicit_kv_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        if (tile_n < lo) | (tile_n >= hi):
-            tl.store(state_ptr, _HIDDEN)
-            return
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh \
-        + start_m.to(tl.int64) * stride_mm + start_n.to(tl.int64) * stride_mn
-    rows_left = mask_rows - start_m
-    cols_left = mask_cols - start_n
-    inside = (offs_m[:, None] < rows_left) & (offs_n[None, :] < cols_left)  # [BM, BN]
-    keep = tl.load(base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=inside,
-                   other=0) != 0
-    n_kept = tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
-    n_inside = tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
-    state = tl.where(n_kept == 0, _HIDDEN, tl.where(n_kept == n_inside, _FULL, _PARTIAL))
-    tl.store(state_ptr, state.to(tl.int8))
+    rows_inside = offs_m[:, None] < mask_rows - start_m
+    row_base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh \
+        + start_m.to(tl.int64) * stride_mm + offs_m[:, None] * stride_mm
+    for t in tl.static_range(TILES_PER_PROGRAM):
+        tile_n = tl.program_id(0) * TILES_PER_PROGRAM + t
+        if tile_n < n_cols:
+            state = tl.zeros([], tl.int32) + _HIDDEN
+            if (tile_n >= lo) & (tile_n < hi):
+                start_n = tile_n * BLOCK_N
+                inside = rows_inside & (offs_n[None, :] < mask_cols - start_n)  # [BM, BN]
+                keep = tl.load(row_base + start_n.to(tl.int64) * stride_mn
+                               + offs_n[None, :] * stride_mn, mask=inside, other=0) != 0
+                n_kept = tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
+                n_inside = tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
+                state = tl.where(n_kept == 0, _HIDDEN,
+                                 tl.where(n_kept == n_inside, _FULL, _PARTIAL))
+            tl.store(states + tile_n, state.to(tl.int8))
 
 
 def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
@@ -96,11 +105,13 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
     batch, heads, rows, cols = t.shape
     n_m, n_n = triton.cdiv(rows, block_m), triton.cdiv(cols, block_n)
     states = torch.empty((batch, heads, n_m, n_n), dtype=torch.int8, device=t.device)
-    _mask_states_kernel[(n_n, n_m, batch * heads)](
-        t, states, *mask.strides, *states.stride()[:3], seqlen_q, seqlen_k, rows, cols, heads,
+    tiles_per_program = 4  # 64x64 tiles: one per program is launch-bound (131k programs at 4k)
+    _mask_states_kernel[(triton.cdiv(n_n, tiles_per_program), n_m, batch * heads)](
+        t, states, *mask.strides, *states.stride()[:3], seqlen_q, seqlen_k, rows, cols, n_n, heads,
         seqlen_k - seqlen_q, args.window_left, args.window_right,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right,
         ROWS_SHARED=mask.rows_shared, COLS_SHARED=mask.cols_shared,
+        TILES_PER_PROGRAM=tiles_per_program,
     )
     return states
 

@@ -180,7 +180,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    cfg = forward_config(head_dim, q.dtype, masked=args.masked)
+    cfg = forward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
+                         elementwise=mask is not None or bias is not None)
     block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
         else (cfg.block_m, cfg.block_n)
     out = torch.empty_like(q) if out is None else out
