@@ -117,18 +117,21 @@ def _dq_tiles(
     dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
+    dbias_tile_rows, stride_dbm, stride_dbn,
     seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ [BM, BD] of one query tile over `num_tiles` key tiles. Keys past Sk load
     k = v = 0, so they add nothing to dQ. With DBIAS (a bias with one column for every key) the
-    score gradient is summed over keys into dbias_rows [BM]."""
+    score gradient is summed over keys into dbias_rows [BM]; with DBIAS_TILES (a full bias, one
+    head per query head) it is stored per element from dbias_tile_rows, contiguous along keys."""
     local_m = tl.arange(0, offs_m.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
@@ -162,6 +165,9 @@ def _dq_tiles(
         ds = p * (dp - delta[:, None])
         if DBIAS:
             dbias_rows += tl.sum(ds, 1)
+        if DBIAS_TILES:
+            store_pair_tile(dbias_tile_rows + start_n.to(tl.int64) * stride_dbn, ds, local_m,
+                            offs_n, stride_dbm, stride_dbn, rows_left, seqlen_k - start_n, False)
         if SOFTCAP:
             ds = ds * (1.0 - capped * capped)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -268,18 +274,19 @@ def _dq_program(
     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
-    every key) also its dbias rows, in the slot of query head `off_h`."""
+    every key) also its dbias rows, with DBIAS_TILES (a full bias per query head) its dbias
+    tiles, in the slot of query head `off_h`."""
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
@@ -301,6 +308,8 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_mm
     bias_rows = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
         + start_m.to(tl.int64) * stride_bm
+    dbias_tile_rows = dbias_batch + off_h.to(tl.int64) * stride_dbh \
+        + start_m.to(tl.int64) * stride_dbm
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
@@ -318,11 +327,12 @@ def _dq_program(
             dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
             offs_m, offs_n, offs_d, stride_kn, stride_vn,
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
+            dbias_tile_rows, stride_dbm, stride_dbn,
             seqlen_k, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_TILES,
             HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
@@ -382,6 +392,10 @@ def _bwd_kernel(
     mask_batch = Mask + off_b.to(tl.int64) * stride_mb
     bias_batch = Bias + off_b.to(tl.int64) * stride_bb
     dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb
+    # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
+    # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
+    # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group)
+    dbias_tiles_in_dq = DBIAS_PER_QHEAD and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED
     if pid < n_tiles_n:
         _dkdv_program(
             pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
@@ -398,7 +412,7 @@ def _bwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-            DBIAS and not BIAS_COLS_SHARED, DBIAS_PER_QHEAD,
+            DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
     else:
         work = pid - n_tiles_n
@@ -412,22 +426,22 @@ def _bwd_kernel(
             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS and BIAS_COLS_SHARED,
-            EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
+            DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
 
 
 def _dbias_buffer(bias: torch.Tensor, batch: int, num_heads: int, num_heads_k: int):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
-    A bias spanning the keys gets its gradient in the dK/dV programs: one slot per query head
-    when the bias has H heads, else one per KV head (the program sums its group in place). A bias
-    with one column for all keys gets it in the dQ programs, one slot per query head. Slots and
-    batches the bias broadcasts are summed afterwards. Returns (buffer, per_qhead, reduce)."""
+    One slot per query head when the bias has H heads or one column for all keys (those are
+    written by the dQ programs, see _bwd_kernel), else one per KV head: the dK/dV program sums
+    its group in place. Slots and batches the bias broadcasts are summed afterwards.
+    Returns (buffer, per_qhead, finish)."""
     bias_batch, bias_heads, rows, cols = bias.shape
     per_qhead = cols == 1 or bias_heads == num_heads
     slots = num_heads if per_qhead else num_heads_k
