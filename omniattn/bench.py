@@ -1,20 +1,23 @@
 """Benchmark suites behind `omniattn bench`: omniattn against SDPA backends and FlexAttention.
 
 Every provider takes q (B, Sq, H, D), k/v (B, Sk, Hk, D) in omniattn's layout and returns
-out (B, Sq, H, D). FLOPs are counted on the tiles omniattn's forward kernel actually computes
-(`computed_pairs`, or `block_mask_pairs` for block-sparse workloads), so TFLOP/s compares
-providers on equal work; the exact visible-pair count is recorded beside it as `flops_exact`.
+out (B, Sq, H, D); what a workload adds to q, k, v (block mask, element mask, bias) is built once
+per workload (`ExtraInputs`) and shared by every provider and mode. FLOPs are counted on the tiles
+omniattn's forward kernel actually computes (`computed_pairs`, `block_mask_pairs` for block-sparse
+workloads, `element_mask_pairs` for dynamic ones), so TFLOP/s compares providers on equal work;
+the exact visible-pair count is recorded beside it as `flops_exact`.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -23,12 +26,18 @@ import omniattn
 from omniattn.kernels.configs import forward_config, interpreting
 
 MODES = ("fwd", "fwd+bwd")
-SUITES = ("core", "sparse", "gqa", "headdim")
+SUITES = ("core", "sparse", "gqa", "headdim", "dynamic")
 # densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
 # reference their times scale against
 SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
 # SDPA has no block-sparse masks: its providers get no row on a sparse workload
 BLOCK_MASK_PROVIDERS = ("omniattn", "flex")
+# learnable biases of the "dynamic" suite, by name: their shapes
+DYNAMIC_BIASES = {"full": "(B, H, Sq, Sk)", "key": "(B, H, 1, Sk)"}
+# SDPA gets a dynamic workload's mask and bias as one float attn_mask, differentiable under its
+# efficient and math backends; flash takes no attn_mask, and issue #4's SDPA baseline is the
+# efficient backend, so flash and cuDNN get no row on a dynamic workload
+ELEMENT_MASK_PROVIDERS = ("omniattn", "flex", "sdpa-efficient", "sdpa-math")
 # backward = 2.5x forward FLOPs (FlashAttention's convention: 5 matmuls against 2)
 _FWD_BWD_FLOP_FACTOR = 3.5
 
@@ -38,7 +47,10 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Workload:
     """One attention shape. `density` set: a random block mask listing that fraction of the
-    (block_size x block_size) blocks is the only mask (see `workload_block_mask`)."""
+    (block_size x block_size) blocks is the only mask (see `workload_block_mask`). `topk` set (a
+    dynamic workload): a top-k element mask keeping `topk` keys per query row, within causal if
+    `causal` (see `workload_keep_mask`), plus a learnable `bias` named in DYNAMIC_BIASES (see
+    `workload_bias`)."""
 
     name: str
     batch: int
@@ -51,6 +63,8 @@ class Workload:
     dtype: torch.dtype
     density: float | None = None
     block_size: int = 128
+    topk: int | None = None
+    bias: str | None = None
 
     def __post_init__(self):
         if self.density is not None and not 0 < self.density <= 1:
@@ -59,6 +73,15 @@ class Workload:
             # Flex gets the block mask alone, so a causal sparse workload would differ by provider
             raise ValueError(f"{self.name}: a sparse workload's block mask is its only mask; "
                              f"causal must be False")
+        if self.density is not None and self.topk is not None:
+            raise ValueError(f"{self.name}: a workload has a block mask (density) or a top-k "
+                             f"mask (topk), not both")
+        if (self.topk is None) != (self.bias is None):
+            raise ValueError(f"{self.name}: a dynamic workload has both a top-k mask (topk) and a "
+                             f"bias, any other workload neither")
+        if self.bias is not None and self.bias not in DYNAMIC_BIASES:
+            raise ValueError(f"{self.name}: bias must be one of {list(DYNAMIC_BIASES)}, "
+                             f"got {self.bias!r}")
 
 
 def _dense_and_causal(shapes, heads: int, head_dim: int, dtype: torch.dtype,
@@ -106,8 +129,19 @@ def _headdim_suite(cuda: bool) -> list[Workload]:
             for workload in _dense_and_causal(shapes, heads, head_dim, dtype, f"-d{head_dim}")]
 
 
+def _dynamic_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        batch, seqlen, heads, head_dim, dtype = 2, 4096, 16, 128, torch.bfloat16
+    else:
+        batch, seqlen, heads, head_dim, dtype = 1, 256, 2, 64, torch.float32
+    # issue #4's workload keeps a quarter of the keys per row: 1024 at 4k
+    return [Workload(f"dyn-{bias}-b{batch}-s{seqlen}", batch, seqlen, seqlen, heads, heads,
+                     head_dim, True, dtype, topk=seqlen // 4, bias=bias)
+            for bias in DYNAMIC_BIASES]
+
+
 _SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
-                   "headdim": _headdim_suite}
+                   "headdim": _headdim_suite, "dynamic": _dynamic_suite}
 
 
 def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
@@ -116,7 +150,9 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     core: dense and causal, 4k B2 and 16k B1, H16 D128 (the FlashAttention-style suite);
     sparse: 16k B1 H16 D128 under random 128 x 128 block masks at each of SPARSE_DENSITIES;
     gqa: causal 8k B1, 32 query heads on 8 key/value heads, D128;
-    headdim: dense and causal 4k B2 H16 at D 64 and D 256.
+    headdim: dense and causal 4k B2 H16 at D 64 and D 256;
+    dynamic: causal 4k B2 H16 D128 under a causal top-k mask keeping 1024 keys per row, with a
+    full or a key bias (Dynamic Mask Attention, issue #4).
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
     numbers say nothing about the GPU kernels)."""
     cuda = torch.device(device).type == "cuda"
@@ -145,25 +181,129 @@ def workload_block_mask(workload: Workload,
                                            seq_lengths=(workload.seqlen_q, workload.seqlen_k))
 
 
+def workload_keep_mask(workload: Workload, device: str | torch.device) -> torch.Tensor | None:
+    """The dynamic workload's element mask: bool (B, H, Sq, Sk), True = keep, from `topk_mask`:
+    each query row keeps the `topk` keys of largest score among those causal lets it see (all of
+    them when it sees fewer), so the mask hides what causal hides. The scores are per key,
+    (B, H, 1, Sk) random normal from a CPU generator seeded 0: the same mask on every device.
+    None for a workload without topk."""
+    if workload.topk is None:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn((workload.batch, workload.heads, 1, workload.seqlen_k),
+                         generator=generator)
+    return omniattn.topk_mask(scores.to(device), workload.topk, causal=workload.causal,
+                              seqlen_q=workload.seqlen_q)
+
+
+def workload_bias(workload: Workload, device: str | torch.device) -> torch.Tensor | None:
+    """The dynamic workload's learnable bias, shaped as DYNAMIC_BIASES names it, in the workload's
+    dtype: random normal (seeded 1), a leaf that requires grad. None for a workload without
+    bias."""
+    if workload.bias is None:
+        return None
+    rows = workload.seqlen_q if workload.bias == "full" else 1
+    generator = torch.Generator(device).manual_seed(1)
+    bias = torch.randn((workload.batch, workload.heads, rows, workload.seqlen_k),
+                       generator=generator, device=device, dtype=workload.dtype)
+    return bias.requires_grad_()
+
+
+class ExtraInputs:
+    """What one workload adds to q, k, v, built once per workload and shared by every provider
+    and mode (omniattn caches its block-mask schedule on the BlockMask; the 4k keep mask and full
+    bias are 1.6 GB): `block_mask` of a sparse workload, `keep` mask and `bias` of a dynamic one
+    (None where the workload has none). The forms one provider needs are built on its first use,
+    outside any timed region."""
+
+    def __init__(self, workload: Workload, device: str | torch.device):
+        self.workload = workload
+        self.device = torch.device(device)
+        self.block_mask = workload_block_mask(workload, device)
+        self.keep = workload_keep_mask(workload, device)
+        self.bias = workload_bias(workload, device)
+
+    @property
+    def learnable(self) -> tuple[torch.Tensor, ...]:
+        """The tensors besides q, k, v that fwd+bwd differentiates, as omniattn and Flex read
+        them."""
+        return () if self.bias is None else (self.bias,)
+
+    @functools.cached_property
+    def sdpa_mask(self) -> torch.Tensor:
+        """SDPA's form of the keep mask and bias: one float (B, H, Sq, Sk) attn_mask, the bias
+        where kept and -inf elsewhere; a leaf that requires grad, so fwd+bwd computes its
+        gradient. A key bias is expanded and materialised too: SDPA takes no bias besides
+        attn_mask, so this is its only way to apply one (its gradient comes back (B, H, Sq, Sk),
+        left unsummed over queries)."""
+        return torch.where(self.keep, self.bias.detach(), float("-inf")).requires_grad_()
+
+    @functools.cached_property
+    def flex_block_mask(self):
+        """FlexAttention's form of the mask: the block mask converted, the keep mask as a
+        mask_mod (causal included, see `workload_keep_mask`), or bottom-right causal; None for a
+        dense workload."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        workload = self.workload
+        if self.block_mask is not None:
+            return self.block_mask.to_flex()
+        if self.keep is not None:
+            keep = self.keep
+
+            def kept(b, h, q_idx, kv_idx):
+                return keep[b, h, q_idx, kv_idx]
+
+            return create_block_mask(kept, workload.batch, workload.heads, workload.seqlen_q,
+                                     workload.seqlen_k, device=self.device)
+        if workload.causal:
+            diag_offset = workload.seqlen_k - workload.seqlen_q
+
+            def bottom_right_causal(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx + diag_offset
+
+            return create_block_mask(bottom_right_causal, None, None, workload.seqlen_q,
+                                     workload.seqlen_k, device=self.device)
+        return None
+
+
+class BuiltAttention(NamedTuple):
+    """A provider built for one workload: fn(q, k, v) -> out, and the tensors besides q, k, v
+    that fn reads and fwd+bwd differentiates (the bias, in the form this provider takes it)."""
+
+    fn: AttentionFn
+    learnable: tuple[torch.Tensor, ...] = ()
+
+
 def _to_sdpa_layout(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)  # (B, S, H, D) <-> (B, H, S, D), a view
 
 
-def _omniattn(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
-    return lambda q, k, v: omniattn.attention(q, k, v, causal=workload.causal,
-                                              block_mask=block_mask)
+def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
+    block_mask, keep, bias = extra.block_mask, extra.keep, extra.bias
+
+    def run(q, k, v):
+        return omniattn.attention(q, k, v, causal=workload.causal, block_mask=block_mask,
+                                  attn_mask=keep, attn_bias=bias)
+
+    return BuiltAttention(run, extra.learnable)
 
 
 def _sdpa(backend, cuda_only: bool):
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
-    # block_mask is always None: run_suite gives SDPA no sparse workload (BLOCK_MASK_PROVIDERS)
-    def build(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
+    # extra.block_mask is always None: run_suite gives SDPA no sparse workload
+    # (BLOCK_MASK_PROVIDERS)
+    def build(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
         if cuda_only and device.type != "cuda":
             raise RuntimeError("benchmarked on CUDA only")
+        # a dynamic workload's float mask hides what causal hides (SDPA takes no attn_mask
+        # together with is_causal)
+        attn_mask = extra.sdpa_mask if extra.keep is not None else None
+        is_causal = workload.causal and attn_mask is None
         # SDPA's is_causal is top-left aligned; it equals omniattn's bottom-right causal only here
-        if workload.causal and workload.seqlen_q != workload.seqlen_k:
+        if is_causal and workload.seqlen_q != workload.seqlen_k:
             raise ValueError(f"SDPA is_causal differs from omniattn's causal when Sq != Sk "
                              f"({workload.seqlen_q} != {workload.seqlen_k})")
         enable_gqa = workload.heads != workload.heads_k
@@ -172,30 +312,30 @@ def _sdpa(backend, cuda_only: bool):
             with sdpa_kernel(backend):
                 out = scaled_dot_product_attention(
                     _to_sdpa_layout(q), _to_sdpa_layout(k), _to_sdpa_layout(v),
-                    is_causal=workload.causal, enable_gqa=enable_gqa)
+                    attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
             return _to_sdpa_layout(out)
 
-        return run
+        return BuiltAttention(run, () if attn_mask is None else (attn_mask,))
 
     return build
 
 
-def _flex(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
+def _flex_score_mod(workload: Workload, bias: torch.Tensor | None):
+    """FlexAttention's score_mod adding the dynamic workload's bias; None without one."""
+    if workload.bias == "full":
+        return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
+    if workload.bias == "key":
+        return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, 0, kv_idx]
+    return None
+
+
+def _flex(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
     if device.type != "cuda":
         raise RuntimeError("benchmarked on CUDA only")
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    flex_mask = None
-    if block_mask is not None:
-        flex_mask = block_mask.to_flex()
-    elif workload.causal:
-        diag_offset = workload.seqlen_k - workload.seqlen_q
-
-        def bottom_right_causal(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx + diag_offset
-
-        flex_mask = create_block_mask(bottom_right_causal, None, None, workload.seqlen_q,
-                                      workload.seqlen_k, device=device)
+    flex_mask = extra.flex_block_mask
+    score_mod = _flex_score_mod(workload, extra.bias)
     # static shapes, and a fresh compile cache per workload, so the suite never reaches dynamo's
     # recompile limit nor falls back to a slower dynamic-shape kernel
     torch.compiler.reset()
@@ -204,20 +344,21 @@ def _flex(workload: Workload, device: torch.device, block_mask) -> AttentionFn:
 
     def run(q, k, v):
         out = compiled(_to_sdpa_layout(q), _to_sdpa_layout(k), _to_sdpa_layout(v),
-                       block_mask=flex_mask, enable_gqa=enable_gqa)
+                       score_mod=score_mod, block_mask=flex_mask, enable_gqa=enable_gqa)
         return _to_sdpa_layout(out)
 
-    return run
+    return BuiltAttention(run, extra.learnable)
 
 
-def _providers() -> dict[str, Callable[[Workload, torch.device, object], AttentionFn]]:
-    """name -> build(workload, device, block_mask: omniattn.BlockMask | None)."""
+def _providers() -> dict[str, Callable[[Workload, torch.device, ExtraInputs], BuiltAttention]]:
+    """name -> build(workload, device, extra)."""
     from torch.nn.attention import SDPBackend
 
     return {
         "omniattn": _omniattn,
         "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, cuda_only=True),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, cuda_only=True),
+        "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, cuda_only=True),
         "sdpa-math": _sdpa(SDPBackend.MATH, cuda_only=False),
         "flex": _flex,
     }
@@ -228,7 +369,7 @@ PROVIDERS = tuple(_providers())
 
 def default_providers(device: str | torch.device) -> tuple[str, ...]:
     if torch.device(device).type == "cuda":
-        return ("omniattn", "sdpa-cudnn", "sdpa-flash", "flex")
+        return ("omniattn", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex")
     return ("omniattn", "sdpa-math")
 
 
@@ -258,6 +399,33 @@ def block_mask_pairs(block_mask: omniattn.BlockMask) -> float:
     listed = (block_mask.states != 0).cpu().to(torch.int64)  # (B|1, H|1, n_q, n_k)
     pairs = (listed * rows[:, None] * cols[None, :]).sum().item()
     return pairs / (listed.shape[0] * listed.shape[1])
+
+
+def element_mask_pairs(keep: torch.Tensor, causal: bool, block_m: int,
+                       block_n: int) -> tuple[float, float, float]:
+    """(pairs, visible, active_tile_fraction) of an element mask: the (query, key) pairs inside
+    the (block_m x block_n) tiles holding at least one visible element (kept and, if causal,
+    not hidden by causal: the tiles the forward kernel visits), each tile clipped to (Sq, Sk);
+    the visible elements; the fraction of all tiles so visited. Pairs per (batch, head),
+    averaged over the mask's leading entries. Counted on the host with tensor ops."""
+    seqlen_q, seqlen_k = keep.shape[-2:]
+    visible = keep.cpu()
+    if causal:  # bottom-right aligned
+        q_idx, k_idx = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)
+        visible = visible & (k_idx <= q_idx + seqlen_k - seqlen_q)
+    n_q, n_k = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+    # whole tiles: the padding is hidden
+    tiles = torch.nn.functional.pad(visible, (0, n_k * block_n - seqlen_k,
+                                              0, n_q * block_m - seqlen_q))
+    tiles = tiles.unflatten(-1, (n_k, block_n)).unflatten(-3, (n_q, block_m))
+    active = tiles.any(dim=(-3, -1))  # (..., n_q, n_k)
+    rows = (seqlen_q - torch.arange(n_q) * block_m).clamp(max=block_m)  # last tile may be short
+    cols = (seqlen_k - torch.arange(n_k) * block_n).clamp(max=block_n)
+    entries = active[..., 0, 0].numel()
+    pairs = (active * rows[:, None] * cols[None, :]).sum().item() / entries
+    # count_nonzero: a bool sum() widens every element first (seconds at 4k)
+    exact = visible.count_nonzero().item() / entries
+    return pairs, exact, active.count_nonzero().item() / active.numel()
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
@@ -299,23 +467,49 @@ def _make_inputs(workload: Workload, device: torch.device, requires_grad: bool):
     return q, k, v, dout
 
 
-def _step(attn: AttentionFn, mode: str, q, k, v, dout) -> Callable[[], object]:
+def _step(attn: BuiltAttention, mode: str, q, k, v, dout) -> Callable[[], object]:
     if mode == "fwd":
-        return lambda: attn(q, k, v)
-    return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+        def forward():
+            # a bias requires grad in both modes (built once per workload): record no graph
+            with torch.no_grad():
+                return attn.fn(q, k, v)
+
+        return forward
+    leaves = (q, k, v, *attn.learnable)
+    return lambda: torch.autograd.grad(attn.fn(q, k, v), leaves, dout)
 
 
-def _measure(build, workload: Workload, block_mask, mode: str, device: torch.device,
+def _measure(build, workload: Workload, extra: ExtraInputs, mode: str, device: torch.device,
              inputs) -> float:
-    step = _step(build(workload, device, block_mask), mode, *inputs)
+    step = _step(build(workload, device, extra), mode, *inputs)
     step()  # compiles kernels and surfaces an unavailable backend before timing starts
     return _time_ms(step, device)
 
 
 def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str, ...]:
-    if workload.density is None:
+    """The providers that run the workload: those that take its kind of mask."""
+    if workload.density is not None:
+        runnable = BLOCK_MASK_PROVIDERS
+    elif workload.topk is not None:
+        runnable = ELEMENT_MASK_PROVIDERS
+    else:
         return providers
-    return tuple(p for p in providers if p in BLOCK_MASK_PROVIDERS)
+    return tuple(p for p in providers if p in runnable)
+
+
+def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float | None]:
+    """(pairs in the tiles omniattn's forward kernel computes, visible pairs, active tile
+    fraction) per (batch, head); the fraction is for element masks only (None otherwise)."""
+    if extra.block_mask is not None:
+        pairs = block_mask_pairs(extra.block_mask)
+        return pairs, pairs, None
+    if extra.keep is not None:
+        tile = forward_config(workload.head_dim, workload.dtype, masked=True, elementwise=True)
+        return element_mask_pairs(extra.keep, workload.causal, tile.block_m, tile.block_n)
+    tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
+    pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, tile.block_m,
+                           tile.block_n)
+    return pairs, visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal), None
 
 
 def _workload_fields(workload: Workload) -> dict:
@@ -332,9 +526,11 @@ def run_suite(
     device: str | torch.device | None = None,
 ) -> list[dict]:
     """One dict per workload x mode x provider: the workload's fields, device, provider, mode,
-    flops (tile count), flops_exact, ms, tflops, error. A provider that raises is recorded with
-    its error (ms and tflops None) and the suite goes on. Sparse workloads (density set) run
-    only BLOCK_MASK_PROVIDERS, under one block mask built per workload."""
+    flops (tile count), flops_exact, active_tile_fraction (element masks; else None), ms,
+    tflops, error. A provider that raises is recorded with its error (ms and tflops None) and the
+    suite goes on. Sparse workloads (density set) run only BLOCK_MASK_PROVIDERS, dynamic ones
+    (topk set) only ELEMENT_MASK_PROVIDERS; masks and bias are built once per workload
+    (`ExtraInputs`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     providers = tuple(providers or default_providers(device))
     builders = _providers()
@@ -349,15 +545,8 @@ def run_suite(
     bar = _progress_bar(runs, progress)
     results = []
     for workload in workloads:
-        # one mask per workload: omniattn caches its kernel schedule on it across modes
-        block_mask = workload_block_mask(workload, device)
-        if block_mask is not None:
-            pairs = exact = block_mask_pairs(block_mask)
-        else:
-            tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
-            pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal,
-                                   tile.block_m, tile.block_n)
-            exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal)
+        extra = ExtraInputs(workload, device)
+        pairs, exact, active_tile_fraction = _pairs(workload, extra)
         for mode in modes:
             inputs = _make_inputs(workload, device, requires_grad=mode == "fwd+bwd")
             flops = _flops(workload, pairs, mode)
@@ -366,14 +555,14 @@ def run_suite(
                     bar.set_description(f"{workload.name} {mode} {provider}")
                 ms, error = None, None
                 try:
-                    ms = _measure(builders[provider], workload, block_mask, mode, device, inputs)
+                    ms = _measure(builders[provider], workload, extra, mode, device, inputs)
                 except Exception as exc:  # a backend that is unavailable here, or out of memory
                     error = _describe_error(exc)
                 results.append({
                     **_workload_fields(workload), "device": device.type, "provider": provider,
                     "mode": mode, "flops": flops, "flops_exact": _flops(workload, exact, mode),
-                    "ms": ms, "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12,
-                    "error": error,
+                    "active_tile_fraction": active_tile_fraction, "ms": ms,
+                    "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12, "error": error,
                 })
                 if bar is not None:
                     bar.update()
@@ -442,7 +631,8 @@ def _header(results: list[dict]) -> str:
 
 def format_table(results: list[dict]) -> str:
     """Plain-text table: one row per (workload, mode), ms and TFLOP/s columns per provider
-    ('-' where the provider has no row: SDPA on sparse workloads); errors are listed under it."""
+    ('-' where the provider has no row: SDPA on sparse workloads, SDPA flash and cuDNN on dynamic
+    ones); errors are listed under it, then notes on the sparse and dynamic workloads."""
     providers = list(dict.fromkeys(r["provider"] for r in results))
     rows = {}
     for r in results:
@@ -480,6 +670,14 @@ def format_table(results: list[dict]) -> str:
     if any(r["density"] is not None for r in results):
         lines += ["", f"sparse-d<density>: random block mask listing that fraction of the blocks; "
                       f"only {', '.join(BLOCK_MASK_PROVIDERS)} run block masks"]
+    dynamic = {r["name"]: r for r in results if r["topk"] is not None}
+    if dynamic:
+        lines += ["", f"dyn-<bias>: top-k element mask + learnable bias, its gradient timed in "
+                      f"fwd+bwd; only {', '.join(ELEMENT_MASK_PROVIDERS)} run them"]
+        lines += [f"  {name}: {r['topk']} keys per row{' (causal)' if r['causal'] else ''}, "
+                  f"{r['active_tile_fraction']:.0%} of the forward tiles active, "
+                  f"{r['bias']} bias {DYNAMIC_BIASES[r['bias']]}"
+                  for name, r in dynamic.items()]
     return "\n".join(lines)
 
 

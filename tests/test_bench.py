@@ -20,6 +20,11 @@ def _tiny(name, causal=False, density=None):
                           block_size=16)
 
 
+def _tiny_dynamic(name, bias):
+    """B1 H2 S64 D16 fp32, causal, a top-k mask keeping 16 keys per row."""
+    return bench.Workload(name, 1, 64, 64, 2, 2, 16, True, torch.float32, topk=16, bias=bias)
+
+
 def _brute_force_pairs(blocks: torch.Tensor, block_size: int, seqlen_q: int, seqlen_k: int) -> int:
     """Visible (query, key) elements of a (1, 1, nQ, nK) block picture, one element at a time."""
     return sum(bool(blocks[0, 0, i // block_size, j // block_size])
@@ -33,6 +38,84 @@ def test_block_mask_pairs_match_brute_force(seq_lengths):
     blocks = torch.rand((1, 1, -(-seqlen_q // 16), -(-seqlen_k // 16)), generator=generator) < 0.4
     mask = omniattn.block_mask_from_blocks(blocks, 16, seq_lengths=seq_lengths)
     assert bench.block_mask_pairs(mask) == _brute_force_pairs(blocks, 16, seqlen_q, seqlen_k)
+
+
+def _brute_force_element_pairs(keep: torch.Tensor, causal: bool, block_m: int, block_n: int):
+    """element_mask_pairs one element at a time: (pairs, visible, active tile fraction)."""
+    batch, heads, seqlen_q, seqlen_k = keep.shape
+    kept = keep.tolist()
+    elements = [(b, h, i, j) for b in range(batch) for h in range(heads)
+                for i in range(seqlen_q) for j in range(seqlen_k)]
+
+    def tile(b, h, i, j):
+        return b, h, i // block_m, j // block_n
+
+    visible = [(b, h, i, j) for b, h, i, j in elements
+               if kept[b][h][i][j] and (not causal or j <= i + seqlen_k - seqlen_q)]
+    active = {tile(*e) for e in visible}
+    pairs = sum(tile(*e) in active for e in elements)
+    n_tiles = batch * heads * -(-seqlen_q // block_m) * -(-seqlen_k // block_n)
+    entries = batch * heads
+    return pairs / entries, len(visible) / entries, len(active) / n_tiles
+
+
+@pytest.mark.parametrize("seq_lengths", [(64, 64), (40, 56)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_element_mask_pairs_match_brute_force(seq_lengths, causal):
+    seqlen_q, seqlen_k = seq_lengths
+    generator = torch.Generator().manual_seed(2)
+    # sparse enough that some tiles hold no kept element
+    keep = torch.rand((2, 2, seqlen_q, seqlen_k), generator=generator) < 0.004
+    counts = bench.element_mask_pairs(keep, causal, 16, 32)
+    assert counts == pytest.approx(_brute_force_element_pairs(keep, causal, 16, 32))
+    assert 0 < counts[2] < 1
+
+
+def test_dynamic_workload_inputs_and_flops(reference_path):
+    workload = _tiny_dynamic("dyn", "key")
+    extra = bench.ExtraInputs(workload, "cpu")
+    assert extra.block_mask is None
+    assert extra.keep.shape == (1, 2, 64, 64) and extra.keep.dtype == torch.bool
+    # each row keeps its 16 keys of largest score among the causal ones (all of them before)
+    assert extra.keep.sum(-1).tolist() == [[[min(i + 1, 16) for i in range(64)]] * 2]
+    assert not extra.keep.triu(1).any()
+    assert extra.bias.shape == (1, 2, 1, 64) and extra.bias.requires_grad
+    assert bench.ExtraInputs(_tiny_dynamic("dyn", "full"), "cpu").bias.shape == (1, 2, 64, 64)
+    [row] = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
+                            device="cpu")
+    tile = bench.forward_config(16, torch.float32, masked=True, elementwise=True)
+    pairs, exact, fraction = _brute_force_element_pairs(extra.keep, True, tile.block_m,
+                                                        tile.block_n)
+    assert row["flops"] == pytest.approx(4 * 1 * 2 * 16 * pairs)
+    assert row["flops_exact"] == 4 * 1 * 2 * 16 * extra.keep.sum().item() / 2
+    assert row["active_tile_fraction"] == pytest.approx(fraction)
+
+
+@pytest.mark.parametrize("bias", ["full", "key"])
+def test_dynamic_providers_agree(reference_path, bias):
+    """omniattn and SDPA math (one float mask) compute the same output and bias gradient."""
+    workload = _tiny_dynamic("dyn", bias)
+    extra = bench.ExtraInputs(workload, "cpu")
+    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    results = []
+    for provider in ("omniattn", "sdpa-math"):
+        built = bench._providers()[provider](workload, torch.device("cpu"), extra)
+        out = built.fn(q, k, v)
+        *grads, dbias = torch.autograd.grad(out, (q, k, v, *built.learnable), dout)
+        # SDPA's gradient is that of its (B, H, Sq, Sk) mask: sum it to the bias's shape
+        results.append([out, *grads, dbias.sum_to_size(extra.bias.shape)])
+    for ours, sdpa in zip(*results):
+        torch.testing.assert_close(ours, sdpa)
+
+
+def test_dynamic_workloads_skip_sdpa_flash_and_cudnn(reference_path):
+    workload = _tiny_dynamic("dyn", "key")
+    assert bench._providers_for(workload, bench.PROVIDERS) == (
+        "omniattn", "sdpa-efficient", "sdpa-math", "flex")
+    rows = bench.run_suite([workload], providers=["omniattn", "sdpa-cudnn", "sdpa-flash",
+                                                  "sdpa-math"],
+                           modes=("fwd",), progress=False, device="cpu")
+    assert [r["provider"] for r in rows] == ["omniattn", "sdpa-math"]
 
 
 def test_sparse_workload_mask_density_and_flops(reference_path):
@@ -61,6 +144,17 @@ def test_sparse_workload_must_not_be_causal():
         _tiny("bad", causal=True, density=0.5)
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(density=0.5, topk=16, bias="key"), "not both"),
+    (dict(topk=16), "both a top-k mask"),
+    (dict(bias="key"), "both a top-k mask"),
+    (dict(topk=16, bias="query"), "bias must be one of"),
+])
+def test_dynamic_workload_validation(fields, match):
+    with pytest.raises(ValueError, match=match):
+        bench.Workload("bad", 1, 64, 64, 2, 2, 16, False, torch.float32, **fields)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_every_suite_constructs(device):
     suites = {suite: bench.default_workloads(device, suite) for suite in bench.SUITES}
@@ -72,11 +166,18 @@ def test_every_suite_constructs(device):
     assert [w.density for w in suites["sparse"]] == list(bench.SPARSE_DENSITIES)
     assert all(w.heads != w.heads_k and w.causal for w in suites["gqa"])
     assert {w.head_dim for w in suites["headdim"]} == {64, 256}
+    assert [w.bias for w in suites["dynamic"]] == list(bench.DYNAMIC_BIASES)
+    assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
     if device == "cpu":  # masks build here only on the CPU
         for workload in suites["sparse"]:
             mask = bench.workload_block_mask(workload, device)
             assert mask.seq_lengths == (workload.seqlen_q, workload.seqlen_k)
             assert mask.density == pytest.approx(workload.density, abs=0.01)
+        for workload in suites["dynamic"]:
+            extra = bench.ExtraInputs(workload, device)
+            shape = (workload.batch, workload.heads, workload.seqlen_q, workload.seqlen_k)
+            assert extra.keep.shape == shape
+            assert extra.bias.dtype == workload.dtype and extra.bias.requires_grad
 
 
 def test_core_suite_is_unchanged_on_gpu():
@@ -89,6 +190,16 @@ def test_core_suite_is_unchanged_on_gpu():
     ]
 
 
+def test_dynamic_suite_on_gpu():
+    """Issue #4's workloads: B2 H16 D128 4k bf16, causal, 1024 keys per row."""
+    dynamic = bench.default_workloads("cuda", "dynamic")
+    assert [(w.name, w.batch, w.seqlen_q, w.heads, w.heads_k, w.head_dim, w.dtype, w.causal,
+             w.topk, w.bias) for w in dynamic] == [
+        ("dyn-full-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "full"),
+        ("dyn-key-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "key"),
+    ]
+
+
 def test_unknown_suite():
     with pytest.raises(ValueError, match="unknown suite"):
         bench.default_workloads("cpu", "nope")
@@ -96,10 +207,12 @@ def test_unknown_suite():
 
 @pytest.fixture(scope="module")
 def tiny_results():
-    """run_suite on a sparse and a dense tiny workload, omniattn (reference path) and SDPA math."""
+    """run_suite on a sparse, a dense and a dynamic tiny workload, omniattn (reference path) and
+    SDPA math."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        return bench.run_suite([_tiny("tiny-sparse", density=0.5), _tiny("tiny-dense")],
+        return bench.run_suite([_tiny("tiny-sparse", density=0.5), _tiny("tiny-dense"),
+                                _tiny_dynamic("tiny-dyn", "full")],
                                providers=["omniattn", "sdpa-math"], progress=False, device="cpu")
 
 
@@ -112,16 +225,22 @@ def test_run_suite_rows(tiny_results):
         ("tiny-dense", "fwd", "sdpa-math"),
         ("tiny-dense", "fwd+bwd", "omniattn"),
         ("tiny-dense", "fwd+bwd", "sdpa-math"),
+        ("tiny-dyn", "fwd", "omniattn"),
+        ("tiny-dyn", "fwd", "sdpa-math"),
+        ("tiny-dyn", "fwd+bwd", "omniattn"),
+        ("tiny-dyn", "fwd+bwd", "sdpa-math"),
     ]
     for r in tiny_results:
         assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0
         assert r["density"] == (0.5 if r["name"] == "tiny-sparse" else None)
+        assert (r["active_tile_fraction"] is None) == (r["name"] != "tiny-dyn")
 
 
 def test_format_table_names_workloads(tiny_results):
     table = bench.format_table(tiny_results)
-    assert "tiny-sparse" in table and "tiny-dense" in table
+    assert "tiny-sparse" in table and "tiny-dense" in table and "tiny-dyn" in table
     assert "errors:" not in table
+    assert "tiny-dyn: 16 keys per row (causal)" in table
 
 
 def test_write_json_round_trips(tiny_results, tmp_path):
@@ -153,6 +272,8 @@ def test_cli_bench_suite_option(monkeypatch, capsys):
     monkeypatch.setattr(cli, "format_table", lambda results: "table")
     assert cli.main(["bench", "--suite", "all,gqa"]) == 0
     assert calls == [bench.default_workloads(cli._current_device(), "all")]
+    assert cli.main(["bench", "--suite", "dynamic"]) == 0
+    assert calls[-1] == bench.default_workloads(cli._current_device(), "dynamic")
     with pytest.raises(SystemExit):
         cli.main(["bench", "--suite", "nope"])
     capsys.readouterr()
