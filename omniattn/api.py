@@ -7,8 +7,10 @@ import torch
 
 from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
-from .kernels.elementwise import Elementwise, mask_schedule, mask_tile_states
+from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
+                                  states_schedule)
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
+from .kernels.sequences import PackedSequences
 from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
@@ -16,46 +18,39 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8, *SUPPORTED_DTYPES)
 MAX_HEAD_DIM = 256
 
-# argument -> the feature (issue) that brings it; until then passing it raises NotImplementedError
-_PENDING_FEATURES = {
-    "seqlens_k_per_row": "per-row key lengths (issue #5)",
-    "cu_seqlens_q": "varlen (issue #5)",
-    "cu_seqlens_k": "varlen (issue #5)",
-    "max_seqlen_q": "varlen (issue #5)",
-    "max_seqlen_k": "varlen (issue #5)",
-}
-
-
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_qkv(q, k, v) -> None:
+def _check_qkv(q, k, v, packed: bool) -> None:
+    dims, layout = (3, "(total, heads, head_dim) with cu_seqlens_q/k") if packed else \
+        (4, "(batch, seqlen, heads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float16, torch.bfloat16 "
                             f"or torch.float32")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got "
-                             f"{_describe(t)} (3-D packed inputs need cu_seqlens_q/k, issue #5)")
+        if t.dim() != dims:
+            hint = "" if packed or t.dim() != 3 else " (3-D packed inputs need cu_seqlens_q/k)"
+            raise ValueError(f"{name} must be {dims}-D {layout}, got {_describe(t)}{hint}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    batch, _, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[-2:]
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, Sk, Hk, D), got k {tuple(k.shape)} "
+        kv_layout = "(total_k, Hk, D)" if packed else "(B, Sk, Hk, D)"
+        raise ValueError(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} "
                          f"and v {tuple(v.shape)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k has batch size {k.shape[0]} but q has {batch}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k/v have head_dim {k.shape[3]} but q has {head_dim}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch size {k.shape[0]} but q has {q.shape[0]}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k/v have head_dim {k.shape[-1]} but q has {head_dim}")
     if head_dim > MAX_HEAD_DIM or head_dim < 1:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim} "
                          f"(q {_describe(q)})")
-    num_heads_k = k.shape[2]
+    num_heads_k = k.shape[-2]
     if num_heads_k == 0 or num_heads % num_heads_k != 0:
         raise ValueError(f"the number of query heads ({num_heads}) must be a multiple of the "
                          f"number of key/value heads ({num_heads_k}) for GQA/MQA")
@@ -125,6 +120,77 @@ def _check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor) -
                          f"size-1 dims broadcast")
 
 
+def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  check_inputs: bool) -> PackedSequences:
+    """cu_seqlens_q/k: int32 (B + 1,) on q's device, from 0 to total, non-decreasing;
+    max_seqlen_q/k: ints at least the longest sequence (computed, with a sync, when None)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("varlen needs both cu_seqlens_q and cu_seqlens_k (int32, batch + 1)")
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                            ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D (batch + 1,) with batch >= 1, got shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+        if check_inputs:
+            bounds = cu.tolist()
+            if bounds[0] != 0 or bounds[-1] != total or any(
+                    b < a for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(f"{name} must start at 0, end at the packed length {total} and "
+                                 f"never decrease, got {bounds}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence + 1, "
+                         f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    maxima = []
+    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q),
+                            ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+        longest = int((cu[1:] - cu[:-1]).max()) if given is None or check_inputs else given
+        if given is not None and given < longest:
+            raise ValueError(f"{name} = {given} is shorter than the longest sequence ({longest})")
+        maxima.append(longest if given is None else given)
+    return PackedSequences(cu_seqlens_q, cu_seqlens_k, *maxima)
+
+
+def _check_row_lens(row_lens, q, k, packed: PackedSequences | None,
+                    check_inputs: bool) -> torch.Tensor:
+    """seqlens_k_per_row: int32 (B, Sq) or (B * Sq,) (packed: (total_q,)), values in [0, Sk] of
+    the row's sequence. Returns it contiguous, (B, Sq) or packed (total_q,)."""
+    if not isinstance(row_lens, torch.Tensor):
+        raise TypeError(f"seqlens_k_per_row must be a torch.Tensor, got {type(row_lens).__name__}")
+    if row_lens.dtype != torch.int32:
+        raise TypeError(f"seqlens_k_per_row must be int32, got {row_lens.dtype}")
+    if row_lens.device != q.device:
+        raise ValueError(f"seqlens_k_per_row is on {row_lens.device} but q is on {q.device}")
+    if packed is not None:
+        shapes, normal = [(q.shape[0],)], (q.shape[0],)
+    else:
+        shapes, normal = [(q.shape[0], q.shape[1]), (q.shape[0] * q.shape[1],)], q.shape[:2]
+    if tuple(row_lens.shape) not in shapes:
+        raise ValueError(f"seqlens_k_per_row has shape {tuple(row_lens.shape)}; expected "
+                         f"{' or '.join(str(s) for s in shapes)}")
+    row_lens = row_lens.reshape(normal).contiguous()
+    if check_inputs and row_lens.numel():
+        if packed is not None:
+            lens_q, lens_k = packed.seqlens()
+            limit = torch.repeat_interleave(lens_k, lens_q.long(), output_size=q.shape[0])
+        else:
+            limit = torch.full_like(row_lens, k.shape[1])
+        bad = (row_lens < 0) | (row_lens > limit)
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"seqlens_k_per_row must lie in [0, Sk] of its row's sequence; "
+                             f"entry {first} is {int(row_lens[first])} (Sk = {int(limit[first])})"
+                             f"; pass check_inputs=False to skip this check (it syncs)")
+    return row_lens
+
+
 def _kernel_tile(block: int, preferred: int) -> int:
     """Largest power-of-two tile <= preferred (>= 16) dividing the mask's block."""
     tile = preferred
@@ -133,17 +199,21 @@ def _kernel_tile(block: int, preferred: int) -> int:
     return tile
 
 
-def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=None):
-    """Schedule of a block mask and/or an element mask, each pass at its own tiles, and the
-    kernel arguments whose predicate its PARTIAL tiles apply (attention's ANDed with the mask's).
-    The element mask is read once, by the pre-pass, at the finest tile any pass uses."""
-    head_dim, seqlen_q, num_heads = q.shape[-1], q.shape[1], q.shape[2]
-    seqlen_k = k.shape[1]
+def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=None,
+                       row_lens=None, packed: PackedSequences | None = None):
+    """Schedule of a block mask, an element mask and/or per-row key lengths, each pass at its
+    own tiles, and the kernel arguments whose predicate its PARTIAL tiles apply (attention's
+    ANDed with the block mask's). Element-exact tile states (the mask's pre-pass, the lengths'
+    min/max per tile) are computed once, at the finest tile any pass uses, and ANDed."""
+    head_dim, num_heads = q.shape[-1], q.shape[-2]
+    _, seqlen_q, seqlen_k = (packed.batch, packed.max_seqlen_q, packed.max_seqlen_k) \
+        if packed is not None else (q.shape[0], q.shape[1], k.shape[1])
     elementwise = attn_mask is not None or attn_bias is not None
     full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
-    # the tiles must be those the launchers pick for the same call
-    fwd = forward_config(head_dim, q.dtype, masked=True, elementwise=elementwise)
-    bwd = backward_config(head_dim, q.dtype, masked=True, full_bias=full_bias)
+    # per-row lengths alone leave most tiles FULL: the dense (or causal) tiles stay the best
+    sparse = block_mask is not None or attn_mask is not None or args.masked
+    fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise)
+    bwd = backward_config(head_dim, q.dtype, masked=sparse, full_bias=full_bias)
     tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
     outer_args = args
     outer = RelativePredicate(args.window_left, args.window_right)
@@ -153,22 +223,30 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
         merged = outer & block_mask.predicate
         # PARTIAL tiles apply attention's predicate ANDed with the mask's own
         args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
-        if attn_mask is None:
-            return block_mask.kernel_schedule(*tiles, outer, num_heads), args
-    mask = Elementwise.of(attn_mask, num_heads)
+    fine_tile = fine_tile_of(*tiles)
+    element_states = None  # (B|1, Hs, n|1, n|1) at fine_tile
+    if attn_mask is not None:
+        element_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q,
+                                          seqlen_k, *fine_tile, outer_args)
+    if row_lens is not None:
+        by_length = row_length_states(row_lens, seqlen_q, seqlen_k, *fine_tile, packed)
+        element_states = by_length if element_states is None \
+            else torch.minimum(element_states, by_length)  # AND of states
     if block_mask is None:
-        return mask_schedule(mask, seqlen_q, seqlen_k, num_heads, outer_args, *tiles), args
-    # both: the element states join the block mask's on the host (tile-granular tensors)
-    fine_m, fine_n = math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles))
-    mask_states = mask_tile_states(mask, seqlen_q, seqlen_k, fine_m, fine_n, outer_args)
+        schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, num_heads,
+                                   outer_args, *tiles, packed=packed)
+    elif element_states is None:
+        schedule = block_mask.kernel_schedule(*tiles, outer, num_heads)
+    else:
+        # the element states join the block mask's on the host (tile-granular tensors)
+        def states_at(block_m: int, block_n: int) -> torch.Tensor:
+            element = coarsen_states(element_states, block_m // fine_tile[0],
+                                     block_n // fine_tile[1])
+            return block_mask.kernel_states(block_m, block_n, outer, element)
 
-    def states_at(block_m: int, block_n: int) -> torch.Tensor:
-        element = coarsen_states(mask_states, block_m // fine_m, block_n // fine_n)
-        return block_mask.kernel_states(block_m, block_n, outer, element)
-
-    return Schedule.build(states_at, *tiles, num_heads), args
-
-
+        schedule = Schedule.build(states_at, *tiles, num_heads)
+    return schedule.launched_with((fwd.num_warps, fwd.num_stages),
+                                  (bwd.num_warps, bwd.num_stages)), args
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
@@ -194,13 +272,16 @@ def attention(
     dropout_p: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    check_inputs: bool = True,
 ):
     """Exact attention with every mask on one kernel core, forward and backward.
 
     Args:
         q: (B, Sq, H, D); k, v: (B, Sk, Hk, D) with H % Hk == 0 (GQA/MQA). fp16, bf16 or fp32,
-            contiguous in the last dimension, D <= 256.
-        causal: key j is visible to query i iff j <= i + Sk - Sq (bottom-right aligned).
+            contiguous in the last dimension, D <= 256. Packed (varlen, with cu_seqlens_q/k):
+            q (total_q, H, D), k/v (total_k, Hk, D).
+        causal: key j is visible to query i iff j <= i + Sk - Sq (bottom-right aligned, per
+            sequence when packed).
         window: (left, right): key j visible iff i + Sk - Sq - left <= j <= i + Sk - Sq + right;
             -1 = unbounded on that side. ANDed with causal.
         softmax_scale: defaults to 1 / sqrt(D).
@@ -213,28 +294,44 @@ def attention(
             pre-pass: all-kept tiles skip the mask load, all-masked tiles are never loaded.
         block_mask: an omniattn.BlockMask for (Sq, Sk): only its listed blocks are computed; its
             PARTIAL blocks apply its own causal/window predicate; ANDed with causal/window.
-        deterministic: the backward pass is always deterministic (no atomics); accepted for
-            compatibility.
-        return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log), -inf for a row
-            that sees no key. It is differentiable.
+        seqlens_k_per_row: int32 (B, Sq) or (B * Sq,) (packed: (total_q,)): query row i sees
+            keys [0, len_i) of its sequence, ANDed with every other mask. Key tiles past a query
+            tile's longest row are never loaded; those below its shortest skip the predicate.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) offsets of the packed sequences (varlen);
+            max_seqlen_q / max_seqlen_k: their longest lengths (computed, with a host sync, if
+            None). Each sequence attends only to itself.
+        deterministic: the backward pass is always deterministic (no atomics, fixed reduction
+            order: bitwise-identical gradients run to run); accepted for compatibility.
+        return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
+            (H, total_q)), -inf for a row that sees no key. It is differentiable.
+        check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
+            the host). Pass False under CUDA-graph capture; out-of-range values then cannot
+            fault (lengths clamp to [0, Sk]) but give unspecified results.
 
     Returns:
-        out (B, Sq, H, D) in q's dtype (0 on rows that see no key), or (out, lse).
+        out like q, in q's dtype (0 on rows that see no key), or (out, lse).
 
-    seqlens_k_per_row, cu_seqlens_*, max_seqlen_* and dropout_p > 0 belong to later features and
-    raise NotImplementedError until they land.
+    dropout_p > 0 raises NotImplementedError until dropout lands (issue #5).
     """
-    pending = {"seqlens_k_per_row": seqlens_k_per_row, "cu_seqlens_q": cu_seqlens_q,
-               "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
-               "max_seqlen_k": max_seqlen_k}
-    for name, value in pending.items():
-        if value is not None:
-            raise NotImplementedError(f"{name} is not implemented yet: {_PENDING_FEATURES[name]}")
-    _check_qkv(q, k, v)
+    packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check_qkv(q, k, v, packed_layout)
     _check_options(causal, window, softmax_scale, softcap, dropout_p)
-    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse)):
+    for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
+                       ("check_inputs", check_inputs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    packed = None
+    if packed_layout:
+        packed = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               check_inputs)
+        for name, given in (("attn_mask", attn_mask), ("attn_bias", attn_bias),
+                            ("block_mask", block_mask)):
+            if given is not None:
+                raise NotImplementedError(f"{name} with packed (varlen) sequences is not "
+                                          f"implemented yet (issue #5); pad the batch instead")
+    elif max_seqlen_q is not None or max_seqlen_k is not None:
+        raise ValueError("max_seqlen_q / max_seqlen_k belong to packed inputs: pass them with "
+                         "cu_seqlens_q and cu_seqlens_k")
 
     if block_mask is not None:
         _check_block_mask(block_mask, q, k)
@@ -242,16 +339,23 @@ def attention(
         _check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k)
     if attn_bias is not None:
         _check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k)
+    if seqlens_k_per_row is not None:
+        seqlens_k_per_row = _check_row_lens(seqlens_k_per_row, q, k, packed, check_inputs)
 
     if _use_kernels(q):
         args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
         schedule = None
-        if block_mask is not None or attn_mask is not None:
-            schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias)
-        out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias)
+        if (block_mask is not None or attn_mask is not None or seqlens_k_per_row is not None) \
+                and q.numel() and k.numel():
+            schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
+                                                seqlens_k_per_row, packed)
+        out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
+                                    seqlens_k_per_row, packed)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
                                        attn_mask=attn_mask, attn_bias=attn_bias,
-                                       block_mask=block_mask, return_lse=True)
+                                       block_mask=block_mask, seqlens_k_per_row=seqlens_k_per_row,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       return_lse=True)
     return (out, lse) if return_lse else out

@@ -8,85 +8,105 @@ from .kernels.bwd import attention_backward
 from .kernels.elementwise import Elementwise
 from .kernels.fwd import attention_forward
 from .kernels.schedule import KernelArgs, Schedule
+from .kernels.sequences import PackedSequences, lse_shape
 
-# An explicit schedule crosses the op boundary as its 12 tensors and 6 tile sizes (empty lists:
-# implicit schedule); mask and bias as optional tensors.
+# An explicit schedule crosses the op boundary as its 12 tensors and 12 launch ints (empty lists:
+# implicit schedule); mask, bias, per-row key lengths and cu_seqlens as optional tensors.
 
 
-def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bias, num_heads):
+def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bias, num_heads,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     sched = Schedule.from_parts(schedule, tiles) if schedule else None
     mask = Elementwise.of(attn_mask, num_heads) if attn_mask is not None else None
     bias = Elementwise.of(attn_bias, num_heads) if attn_bias is not None else None
-    return sched, mask, bias
+    packed = None
+    if cu_seqlens_q is not None:
+        packed = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return sched, mask, bias, packed
 
 
 @torch.library.custom_op("omniattn::attention_fwd", mutates_args=())
 def attention_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, softmax_scale: float, softcap: float, window_left: int,
-    window_right: int, schedule: list[torch.Tensor], tiles: list[int],
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
+    schedule: list[torch.Tensor], tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
-    sched, mask, bias = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[2])
+    sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
+                                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_forward(q, k, v, args, sched.forward if sched is not None else None,
-                             mask=mask, bias=bias)
+                             mask=mask, bias=bias, row_lens=row_lens, packed=packed)
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, attn_mask, attn_bias, softmax_scale, softcap, window_left, window_right, schedule,
-      tiles):
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    return torch.empty_like(q), lse
+def _(q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, softcap, window_left, window_right, schedule, tiles):
+    return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("omniattn::attention_bwd", mutates_args=())
 def attention_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, bias_grad: bool, softmax_scale: float, softcap: float,
-    window_left: int, window_right: int, schedule: list[torch.Tensor], tiles: list[int],
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
+    window_right: int, schedule: list[torch.Tensor], tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_grad."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
-    sched, mask, bias = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[2])
+    sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
+                                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, args, sched, mask=mask,
-                                           bias=bias, bias_grad=bias_grad, dlse=dlse)
+                                           bias=bias, bias_grad=bias_grad, dlse=dlse,
+                                           row_lens=row_lens, packed=packed)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, bias_grad, softmax_scale, softcap,
-      window_left, window_right, schedule, tiles):
+def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left, window_right,
+      schedule, tiles):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, attn_mask, attn_bias, softmax_scale, softcap, window_left, window_right, schedule,
-     tiles) = inputs
+    (q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+     max_seqlen_k, softmax_scale, softcap, window_left, window_right, schedule, tiles) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, *schedule)
-    ctx.scalars = (softmax_scale, softcap, window_left, window_right)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q,
+                          cu_seqlens_k, *schedule)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k)
+    ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right)
     ctx.tiles = tiles
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_mask, attn_bias, *schedule = ctx.saved_tensors
+    (q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
+     *schedule) = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = attention_bwd_op(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias,
-                                         bias_grad, *ctx.scalars, schedule, ctx.tiles)
+                                         row_lens, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
+                                         bias_grad, *ctx.kernel_scalars, schedule, ctx.tiles)
     # gradients mirror the inputs' structure: a list per tensor list; an int list is one leaf
     # (an empty one a list)
-    return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None,
-            [None] * len(schedule), None if ctx.tiles else [])
+    return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None,
+            None, None, None, [None] * len(schedule), None if ctx.tiles else [])
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
-                     attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None):
+                     attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
+                     row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None):
     """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
-    return attention_fwd_op(q, k, v, attn_mask, attn_bias, args.softmax_scale, args.softcap,
-                            args.window_left, args.window_right, tensors, tiles)
+    cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
+        packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
+    return attention_fwd_op(q, k, v, attn_mask, attn_bias, row_lens, cu_q, cu_k, max_q, max_k,
+                            args.softmax_scale, args.softcap, args.window_left, args.window_right,
+                            tensors, tiles)

@@ -158,6 +158,9 @@ def attention_reference(
             out, lse = _chunk_attention(q_chunk, k5, v5, bias, keep, scale, softcap)
         outs.append(out)
         lses.append(lse)
+    if not outs:  # Sq = 0
+        outs = [q5.new_empty(*q5.shape[:-1], head_dim)]
+        lses = [q5.new_empty(q5.shape[:-1])]
     out = torch.cat(outs, dim=3).reshape(batch, num_heads, seqlen_q, head_dim).transpose(1, 2)
     out = out.to(q.dtype)
     if not return_lse:

@@ -104,15 +104,6 @@ def test_k_5d():
         attention(q, k.unsqueeze(0), v)
 
 
-def test_q_3d_with_cu_seqlens_is_not_implemented_yet():
-    """Packed varlen inputs are a later feature: the varlen error wins over the rank error."""
-    q, k, v = make()
-    cu = torch.tensor([0, S], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=r"^cu_seqlens_q is not implemented yet: varlen"):
-        attention(q.reshape(B * S, H, D), k.reshape(B * S, H, D), v.reshape(B * S, H, D),
-                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
-
-
 def test_k_v_shape_mismatch():
     q, k, _ = make()
     v = torch.randn(B, S + 1, H, D, dtype=q.dtype)
@@ -279,26 +270,85 @@ def test_return_lse_not_bool(ret):
         attention(q, k, v, return_lse=ret)
 
 
-def _pending_value(name):
-    if name == "seqlens_k_per_row":
-        return torch.full((B, S), S, dtype=torch.int32)
-    if name in ("cu_seqlens_q", "cu_seqlens_k"):
-        return torch.tensor([0, S], dtype=torch.int32)
-    return S  # max_seqlen_q / max_seqlen_k
+def packed(total_q=2 * S, total_k=2 * S):
+    q = torch.randn(total_q, H, D, dtype=torch.float16)
+    k = torch.randn(total_k, H, D, dtype=torch.float16)
+    return q, k, k.clone()
 
 
-@pytest.mark.parametrize("name,feature", [
-    ("seqlens_k_per_row", "per-row key lengths (issue #5)"),
-    ("cu_seqlens_q", "varlen (issue #5)"),
-    ("cu_seqlens_k", "varlen (issue #5)"),
-    ("max_seqlen_q", "varlen (issue #5)"),
-    ("max_seqlen_k", "varlen (issue #5)"),
+CU = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("lens, error, message", [
+    (torch.full((B, S), S, dtype=torch.int64), TypeError,
+     "seqlens_k_per_row must be int32, got torch.int64"),
+    ([S] * S, TypeError, "seqlens_k_per_row must be a torch.Tensor, got list"),
+    (torch.full((B, S + 1), S, dtype=torch.int32), ValueError,
+     f"seqlens_k_per_row has shape {(B, S + 1)}; expected {(B, S)} or {(B * S,)}"),
+    (torch.tensor([[0, 1, S + 1, 2]], dtype=torch.int32), ValueError,
+     f"seqlens_k_per_row must lie in [0, Sk] of its row's sequence; entry (0, 2) is {S + 1} "
+     f"(Sk = {S}); pass check_inputs=False"),
+    (torch.tensor([0, -1, 1, 2], dtype=torch.int32), ValueError,
+     "seqlens_k_per_row must lie in [0, Sk] of its row's sequence; entry (0, 1) is -1"),
 ])
-def test_pending_feature_not_implemented(name, feature):
+def test_seqlens_k_per_row_invalid(lens, error, message):
     q, k, v = make()
-    with pytest.raises(NotImplementedError, match=f"^{esc(name)} is not implemented yet: "
-                                                  f"{esc(feature)}$"):
-        attention(q, k, v, **{name: _pending_value(name)})
+    with pytest.raises(error, match="^" + esc(message)):
+        attention(q, k, v, seqlens_k_per_row=lens)
+
+
+def test_seqlens_k_per_row_unchecked_reaches_backend():
+    """check_inputs=False skips the value check (no host sync), not the shape checks."""
+    q, k, v = make()
+    lens = torch.full((B, S), S + 5, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="a backend was called"):
+        attention(q, k, v, seqlens_k_per_row=lens, check_inputs=False)
+
+
+def test_seqlens_k_per_row_packed_bound_is_per_sequence():
+    q, k, v = packed(total_k=S + 2)
+    cu_k = torch.tensor([0, S, S + 2], dtype=torch.int32)
+    lens = torch.tensor([S] * S + [2, 3, 0, 0], dtype=torch.int32)  # row 5 sees 3 of 2 keys
+    with pytest.raises(ValueError, match=esc("entry (5,) is 3 (Sk = 2)")):
+        attention(q, k, v, cu_seqlens_q=CU, cu_seqlens_k=cu_k, seqlens_k_per_row=lens)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(cu_seqlens_q=CU), ValueError, "varlen needs both cu_seqlens_q and cu_seqlens_k"),
+    (dict(cu_seqlens_q=CU.long(), cu_seqlens_k=CU), TypeError,
+     "cu_seqlens_q must be int32, got torch.int64"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU[None]), ValueError,
+     "cu_seqlens_k must be 1-D (batch + 1,) with batch >= 1, got shape (1, 3)"),
+    (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32), cu_seqlens_k=CU), ValueError,
+     "cu_seqlens_q must start at 0, end at the packed length 8 and never decrease, got [0, 5, 3]"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError,
+     "cu_seqlens_k must start at 0, end at the packed length 8"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 2, 6, 8], dtype=torch.int32)),
+     ValueError, "cu_seqlens_q and cu_seqlens_k must have one entry per sequence + 1, got 3 and 4"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=S - 1), ValueError,
+     f"max_seqlen_q = {S - 1} is shorter than the longest sequence ({S})"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_k=float(S)), TypeError,
+     "max_seqlen_k must be an int or None, got float"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=torch.ones(2 * S, 1, S, dtype=torch.bool)),
+     NotImplementedError, "attn_mask with packed (varlen) sequences is not implemented yet"),
+])
+def test_varlen_invalid(kwargs, error, message):
+    q, k, v = packed()
+    with pytest.raises(error, match="^" + esc(message)):
+        attention(q, k, v, **kwargs)
+
+
+def test_max_seqlen_without_cu_seqlens():
+    q, k, v = make()
+    with pytest.raises(ValueError, match="^max_seqlen_q / max_seqlen_k belong to packed inputs"):
+        attention(q, k, v, max_seqlen_q=S)
+
+
+def test_varlen_k_must_be_3d():
+    q, k, v = packed()
+    with pytest.raises(ValueError, match=r"^k must be 3-D \(total, heads, head_dim\) with "
+                                         r"cu_seqlens_q/k, got shape \(1, 8, 2, 8\)"):
+        attention(q, k[None], v[None], cu_seqlens_q=CU, cu_seqlens_k=CU)
 
 
 @pytest.mark.parametrize("shape", [(B, H, S), (2, H, S, S), (B, 3, S, S), (B, H, S + 1, S),

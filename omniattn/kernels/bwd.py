@@ -9,11 +9,13 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
-                     schedule_phase, schedule_rows, scores_log2, store_pair_tile,
-                     visible_elements)
+                     row_key_end, schedule_phase, schedule_rows, scores_log2, sequence_bounds,
+                     store_pair_tile, visible_elements)
 from .configs import backward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import KernelArgs, Schedule, TileLists
+from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
+                        row_lens_operands, row_strides)
 
 
 @triton.jit
@@ -42,14 +44,14 @@ def _dkdv_tiles(
     dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
     tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
     mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-    dbias_cols, stride_dbm, stride_dbn, cols_left,
+    dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_ACCUMULATE: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ACCUMULATE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -87,7 +89,8 @@ def _dkdv_tiles(
             s_t += bias_t.to(tl.float32) * LOG2E
         p_t = tl.exp2(s_t - lse[None, :])
         if PARTIAL:
-            visible_t = tl.trans(visible_elements(rows, offs_n, seqlen_k, diag_offset, window_left,
+            key_end = row_key_end(row_lens, rows, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
+            visible_t = tl.trans(visible_elements(rows, offs_n, key_end, diag_offset, window_left,
                                                   window_right, HAS_LEFT, HAS_RIGHT))  # [BN, BM]
             if HAS_MASK:
                 keep_t = load_pair_tile(mask_cols + start_m.to(tl.int64) * stride_mm, local_n,
@@ -118,7 +121,7 @@ def _dq_tiles(
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     dbias_tile_rows, stride_dbm, stride_dbn,
-    seqlen_k, diag_offset, window_left, window_right,
+    seqlen_k, key_end, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -153,7 +156,7 @@ def _dq_tiles(
             s += bias.to(tl.float32) * LOG2E
         p = tl.exp2(s - lse[:, None])
         if PARTIAL:
-            visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
+            visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
                                        window_right, HAS_LEFT, HAS_RIGHT)
             if HAS_MASK:
                 keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
@@ -184,14 +187,14 @@ def _dkdv_program(
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
     seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -240,13 +243,13 @@ def _dkdv_program(
                 dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
                 tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
                 mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n,
+                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n, row_lens,
                 seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                 qk_scale_log2, softcap_inv_scaled, softcap_log2,
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
+                HAS_ROW_LENS, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
                 HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
@@ -274,14 +277,15 @@ def _dq_program(
     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
+    EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
@@ -310,6 +314,7 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_bm
     dbias_tile_rows = dbias_batch + off_h.to(tl.int64) * stride_dbh \
         + start_m.to(tl.int64) * stride_dbm
+    key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
@@ -328,7 +333,7 @@ def _dq_program(
             offs_m, offs_n, offs_d, stride_kn, stride_vn,
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
             dbias_tile_rows, stride_dbm, stride_dbn,
-            seqlen_k, diag_offset, window_left, window_right,
+            seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
@@ -369,6 +374,7 @@ def _bwd_kernel(
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
@@ -377,6 +383,7 @@ def _bwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
@@ -387,16 +394,33 @@ def _bwd_kernel(
     num_heads_k = num_heads // group
     off_b = off_bhk // num_heads_k
     off_hk = off_bhk % num_heads_k
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    mask_batch = Mask + off_b.to(tl.int64) * stride_mb
-    bias_batch = Bias + off_b.to(tl.int64) * stride_bb
-    dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb
+    # packed sequences: every row-indexed base moves to this batch's first row (batch strides 0)
+    first_q, seqlen_q, first_k, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
+                                                           seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
+    row0 = first_q.to(tl.int64)
+    key0 = first_k.to(tl.int64)
+    Q += row0 * stride_qm
+    DOut += row0 * stride_dom
+    DQ += row0 * stride_dqm
+    Lse += row0
+    Delta += row0
+    DK += key0 * stride_dkn
+    DV += key0 * stride_dvn
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + key0 * stride_kn
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + key0 * stride_vn
+    mask_batch = Mask + off_b.to(tl.int64) * stride_mb + row0 * stride_mm
+    bias_batch = Bias + off_b.to(tl.int64) * stride_bb + row0 * stride_bm
+    dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb + row0 * stride_dbm
+    row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
     # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
     # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
     # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group)
     dbias_tiles_in_dq = DBIAS_PER_QHEAD and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED
     if pid < n_tiles_n:
+        if pid * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
+            return
         _dkdv_program(
             pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
             stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
@@ -406,16 +430,18 @@ def _bwd_kernel(
             stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
             seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
     else:
         work = pid - n_tiles_n
+        if (work % n_tiles_m) * BLOCK_M2 >= seqlen_q:
+            return
         _dq_program(
             work % n_tiles_m, off_b, off_hk * group + work // n_tiles_m,
             Q, DOut, Lse, Delta, DQ, k_base, v_base,
@@ -426,12 +452,12 @@ def _bwd_kernel(
             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS and BIAS_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DBIAS and BIAS_COLS_SHARED,
             DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
 
 
@@ -466,23 +492,28 @@ def _dbias_buffer(bias: torch.Tensor, batch: int, num_heads: int, num_heads_k: i
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
                        mask: Elementwise | None = None, bias: Elementwise | None = None,
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
+                       row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
                        dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
-    group; dbias is None unless bias_grad. dlse (B, H, Sq), the gradient reaching lse, enters as
-    delta - dlse (d lse / d s = p). dq / dk / dv may be given (preallocated)."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
+    delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
+    (H, total_q)). dq / dk / dv may be given (preallocated)."""
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_k = k.shape[-2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
     cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
                           full_bias=bias is not None and bias.spans_queries_and_keys)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
     # reverse with (block_m2, block_n2). Explicit schedules carry their own tiles.
+    block_m1, block_n1, block_m2, block_n2 = cfg.block_m1, cfg.block_n1, cfg.block_m2, cfg.block_n2
+    num_warps, num_stages = cfg.num_warps, cfg.num_stages
     if schedule is not None:
         block_m1, block_n1 = schedule.dkdv.block_m, schedule.dkdv.block_n
         block_m2, block_n2 = schedule.dq.block_m, schedule.dq.block_n
-    else:
-        block_m1, block_n1, block_m2, block_n2 = cfg.block_m1, cfg.block_n1, cfg.block_m2, cfg.block_n2
+        if schedule.dkdv.num_warps:
+            num_warps, num_stages = schedule.dkdv.num_warps, schedule.dkdv.num_stages
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -496,11 +527,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta = torch.empty_like(lse)
-    _bwd_preprocess[(triton.cdiv(seqlen_q, 64), batch * num_heads)](
-        out, dout, delta,
-        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        delta.stride(0), delta.stride(1), seqlen_q, num_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
+    # delta is per row: packed rows are one long sequence here
+    pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
+    _bwd_preprocess[(triton.cdiv(pre_rows, 64), pre_batch * num_heads)](
+        out, dout, delta, *row_strides(out), *row_strides(dout), *lse_strides(delta),
+        pre_rows, num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
     )
     if dlse is not None:
         delta -= dlse
@@ -514,20 +545,16 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     unused = Elementwise.placeholder_operands(q.device)
     dbias_operands = (dbias_buffer, *dbias_buffer.stride()) if bias_grad else unused[:5]
     grid = (n_tiles_n + group * n_tiles_m, batch * num_heads_k)
+    even = packed is None
     _bwd_kernel[grid](
         q, k, v, dout, lse, delta, dq, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        lse.stride(0), lse.stride(1),
+        *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
+        *row_strides(dq), *row_strides(dk), *row_strides(dv), *lse_strides(lse),
         *fwd_sched, *t_sched,
         *(mask.operands() if mask is not None else unused),
         *(bias.operands() if bias is not None else unused),
         *dbias_operands,
+        *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
@@ -538,11 +565,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         MASK_COLS_SHARED=mask is not None and mask.cols_shared,
         HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
         BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
+        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
         DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead,
         EXPLICIT=schedule is not None,
-        EVEN_M1=seqlen_q % block_m1 == 0, EVEN_N1=seqlen_k % block_n1 == 0,
-        EVEN_M2=seqlen_q % block_m2 == 0, EVEN_N2=seqlen_k % block_n2 == 0,
+        EVEN_M1=even and seqlen_q % block_m1 == 0, EVEN_N1=even and seqlen_k % block_n1 == 0,
+        EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None

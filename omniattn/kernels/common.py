@@ -20,21 +20,46 @@ def load_rows(ptrs, rows, n_rows, offs_d, EVEN_ROWS: tl.constexpr, HEAD_DIM: tl.
 
 @triton.jit
 def visible_elements(
-    offs_m, offs_n, seqlen_k, diag_offset, window_left, window_right,
+    offs_m, offs_n, key_end, diag_offset, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):
     """Element predicate of a PARTIAL tile: [BM, BN] True where query offs_m may see key offs_n.
 
-    diag_offset = Sk - Sq (bottom-right aligned diagonal); causal is HAS_RIGHT with window_right 0.
-    Later features (element mask, per-row key length, documents) AND their terms in here.
+    key_end [BM]: the keys each row sees end there (Sk, or the row's key length); diag_offset =
+    Sk - Sq (bottom-right aligned diagonal); causal is HAS_RIGHT with window_right 0.
     """
-    visible = offs_n[None, :] < seqlen_k
+    visible = offs_n[None, :] < key_end[:, None]
     rel = offs_n[None, :] - offs_m[:, None] - diag_offset
     if HAS_RIGHT:
         visible = visible & (rel <= window_right)
     if HAS_LEFT:
         visible = visible & (rel >= -window_left)
     return visible
+
+
+@triton.jit
+def row_key_end(row_lens, rows, seqlen_q, seqlen_k, HAS_ROW_LENS: tl.constexpr):
+    """[BM] end of the keys each row sees: min(its key length, Sk), or Sk. row_lens points at
+    this sequence's first row."""
+    if HAS_ROW_LENS:
+        end = tl.minimum(tl.load(row_lens + rows, mask=rows < seqlen_q, other=0), seqlen_k)
+    else:
+        end = tl.zeros(rows.shape, tl.int32) + seqlen_k
+    return end
+
+
+@triton.jit
+def sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(first query row, Sq, first key row, Sk) of batch off_b: packed sequences read their
+    bounds from cu_seqlens, padded batches start at row 0 with the launch's Sq, Sk."""
+    first_q = tl.zeros([], tl.int32)
+    first_k = tl.zeros([], tl.int32)
+    if VARLEN:
+        first_q = tl.load(CuSeqlensQ + off_b)
+        seqlen_q = tl.load(CuSeqlensQ + off_b + 1) - first_q
+        first_k = tl.load(CuSeqlensK + off_b)
+        seqlen_k = tl.load(CuSeqlensK + off_b + 1) - first_k
+    return first_q, seqlen_q, first_k, seqlen_k
 
 
 @triton.jit

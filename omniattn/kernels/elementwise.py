@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import implicit_kv_range, implicit_q_range
+from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
+from .sequences import PackedSequences, packed_operands
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)
 
@@ -120,18 +121,24 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
 def _mask_lists_kernel(
     Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n,
     Num, Idx, FullNum, FullIdx, stride_nb, stride_nh, stride_ib, stride_ih, stride_ir,
-    n_cols, heads_out, head_div, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    n_cols, heads_out, head_div, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, diag_offset,
+    window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTOR_M: tl.constexpr, FACTOR_N: tl.constexpr,
     TRANSPOSED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    VARLEN: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed) or,
     TRANSPOSED, a key tile (query tiles listed). A tile's state is the AND (min) of the causal /
     window state and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer
-    tiles. Tiles outside the causal / window range are not looked at. Listed in increasing order."""
+    tiles. Tiles outside the causal / window range are not looked at. Listed in increasing order.
+    VARLEN: (Sq, Sk) are those of the row's sequence."""
     row = tl.program_id(0)
     off_b = tl.program_id(1) // heads_out
     off_h = tl.program_id(1) % heads_out
+    _, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k,
+                                               VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
     if TRANSPOSED:
         lo, full_lo, full_hi, hi = implicit_q_range(row * BLOCK_N, seqlen_q, seqlen_k, diag_offset,
                                                     window_left, window_right, BLOCK_M, BLOCK_N,
@@ -145,6 +152,12 @@ def _mask_lists_kernel(
     full_idx = FullIdx + off_b * stride_ib + off_h * stride_ih + row * stride_ir
     n_partial = 0
     n_full = 0
+    if VARLEN:
+        # rows past this sequence's end list nothing
+        if TRANSPOSED:
+            hi = tl.where(row * BLOCK_N < seqlen_k, hi, lo)
+        else:
+            hi = tl.where(row * BLOCK_M < seqlen_q, hi, lo)
     for start in range(lo, hi, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         valid = cols < hi
@@ -179,11 +192,15 @@ def _mask_lists_kernel(
 
 def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], tile: tuple[int, int],
                 transposed: bool, seqlen_q: int, seqlen_k: int, num_heads: int,
-                args: KernelArgs) -> TileLists:
+                args: KernelArgs, packed: PackedSequences | None = None) -> TileLists:
     """Lists at `tile` from the pre-pass states `fine` (B|1, Hm, n|1, n|1) at `fine_tile`.
-    Mask heads Hm in {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads."""
+    Mask heads Hm in {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads.
+    Packed sequences: (Sq, Sk) are the longest, each batch's lists stop at its own lengths."""
     block_m, block_n = tile
     batch, mask_heads, n_fine_m, n_fine_n = fine.shape
+    stride_fb = fine.stride(0)
+    if packed is not None and batch != packed.batch:  # one state map for every sequence
+        batch, stride_fb = packed.batch, 0
     heads_out = 1 if mask_heads == 1 else num_heads
     n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
     n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
@@ -195,16 +212,67 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], tile: tuple[int,
     stride_fm = 0 if n_fine_m == 1 else fine.stride(2)
     stride_fn = 0 if n_fine_n == 1 else fine.stride(3)
     _mask_lists_kernel[(n_rows, batch * heads_out)](
-        fine, fine.stride(0), fine.stride(1), stride_fm, stride_fn,
+        fine, stride_fb, fine.stride(1), stride_fm, stride_fn,
         n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
         num, idx, full_num, full_idx, *num.stride()[:2], *idx.stride()[:3],
-        n_cols, heads_out, heads_out // mask_heads, seqlen_q, seqlen_k, seqlen_k - seqlen_q,
-        args.window_left, args.window_right,
+        n_cols, heads_out, heads_out // mask_heads, *packed_operands(packed, fine.device),
+        seqlen_q, seqlen_k, seqlen_k - seqlen_q, args.window_left, args.window_right,
         BLOCK_M=block_m, BLOCK_N=block_n, FACTOR_M=block_m // fine_tile[0],
         FACTOR_N=block_n // fine_tile[1], TRANSPOSED=transposed, HAS_LEFT=args.has_left,
-        HAS_RIGHT=args.has_right, BLOCK_C=min(128, triton.next_power_of_2(n_cols)),
+        HAS_RIGHT=args.has_right, VARLEN=packed is not None,
+        BLOCK_C=min(128, triton.next_power_of_2(n_cols)),
     )
     return TileLists(block_m, block_n, num, idx, full_num, full_idx)
+
+
+def fine_tile_of(*tiles: tuple[int, int]) -> tuple[int, int]:
+    """The finest tile every pass's tile is a multiple of: where tile states are computed."""
+    return math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles))
+
+
+def states_schedule(fine: torch.Tensor, fine_tile: tuple[int, int], seqlen_q: int, seqlen_k: int,
+                    num_heads: int, args: KernelArgs, forward_tile: tuple[int, int],
+                    dq_tile: tuple[int, int], dkdv_tile: tuple[int, int],
+                    packed: PackedSequences | None = None) -> Schedule:
+    """Each pass's lists from element-exact tile states `fine` (B|1, Hs, n|1, n|1) at
+    `fine_tile`, ANDed with causal / window: one list-builder launch per distinct tile."""
+    build = functools.partial(_mask_lists, fine, fine_tile, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                              num_heads=num_heads, args=args, packed=packed)
+    forward = build(forward_tile, False)
+    dq = forward if dq_tile == forward_tile else build(dq_tile, False)
+    return Schedule(forward, dq, build(dkdv_tile, True))
+
+
+def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int,
+                      block_n: int, packed: PackedSequences | None = None) -> torch.Tensor:
+    """int8 (B, 1, n_q_tiles, n_k_tiles) states of per-row key lengths (B, Sq), or (total_q,)
+    packed: a tile is FULL when its shortest row covers it, HIDDEN when its longest row ends
+    before it. O(B * Sq + tiles) device work, no host sync."""
+    device = row_lens.device
+    if packed is not None:
+        lens_q, lens_k = packed.seqlens()
+        local = torch.arange(seqlen_q, device=device)
+        valid = local[None, :] < lens_q[:, None]  # (B, max Sq)
+        rows = (packed.cu_seqlens_q[:-1, None] + local[None, :]).clamp(max=row_lens.numel() - 1)
+        lens = row_lens[rows.long()]
+        key_count = lens_k[:, None]  # (B, 1)
+    else:
+        lens = row_lens
+        valid = torch.ones_like(lens, dtype=torch.bool)
+        key_count = torch.full((1, 1), seqlen_k, device=device, dtype=torch.int32)
+    lens = torch.minimum(lens, key_count)
+    n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+    pad = n_m * block_m - seqlen_q
+    shortest = torch.nn.functional.pad(torch.where(valid, lens, seqlen_k), (0, pad),
+                                       value=seqlen_k).view(-1, n_m, block_m).amin(-1)
+    longest = torch.nn.functional.pad(torch.where(valid, lens, -1), (0, pad),
+                                      value=-1).view(-1, n_m, block_m).amax(-1)
+    first_k = torch.arange(n_n, device=device) * block_n
+    end_k = torch.minimum(first_k[None, :] + block_n, key_count)  # (B|1, n_n)
+    hidden = first_k[None, None, :] >= longest[..., None]  # (B, n_m, n_n)
+    full = end_k[:, None, :] <= shortest[..., None]
+    states = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+    return states.unsqueeze(1)
 
 
 def mask_schedule(mask: Elementwise, seqlen_q: int, seqlen_k: int, num_heads: int,
@@ -213,11 +281,7 @@ def mask_schedule(mask: Elementwise, seqlen_q: int, seqlen_k: int, num_heads: in
     """The schedule of an element mask ANDed with causal / window, all on the device in four
     launches (no host sync): the pre-pass reads the mask once at the finest tile any pass
     uses, then each pass's lists are built from those states."""
-    tiles = (forward_tile, dq_tile, dkdv_tile)
-    fine_tile = (math.gcd(*(m for m, _ in tiles)), math.gcd(*(n for _, n in tiles)))
+    fine_tile = fine_tile_of(forward_tile, dq_tile, dkdv_tile)
     fine = mask_tile_states(mask, seqlen_q, seqlen_k, *fine_tile, args)
-    build = functools.partial(_mask_lists, fine, fine_tile, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                              num_heads=num_heads, args=args)
-    forward = build(forward_tile, False)
-    dq = forward if dq_tile == forward_tile else build(dq_tile, False)
-    return Schedule(forward, dq, build(dkdv_tile, True))
+    return states_schedule(fine, fine_tile, seqlen_q, seqlen_k, num_heads, args, forward_tile,
+                           dq_tile, dkdv_tile)

@@ -6,11 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, load_pair_tile, load_rows, schedule_phase,
-                     schedule_rows, scores_log2, visible_elements)
+from .common import (LOG2E, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
+                     schedule_phase, schedule_rows, scores_log2, sequence_bounds, visible_elements)
 from .configs import forward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import KernelArgs, TileLists
+from .sequences import (PackedSequences, batch_shape, lse_shape, lse_strides, packed_operands,
+                        row_lens_operands, row_strides)
 
 
 @triton.jit
@@ -18,7 +20,7 @@ def _fwd_tiles(
     acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-    seqlen_k, diag_offset, window_left, window_right,
+    seqlen_k, key_end, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -28,7 +30,8 @@ def _fwd_tiles(
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
-    mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias."""
+    mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias;
+    key_end [BM] is where each row's keys end (PARTIAL tiles only)."""
     local_m = tl.arange(0, offs_m.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
@@ -49,7 +52,7 @@ def _fwd_tiles(
                                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N)
             s += bias.to(tl.float32) * LOG2E
         if PARTIAL:
-            visible = visible_elements(offs_m, keys, seqlen_k, diag_offset, window_left,
+            visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
                                        window_right, HAS_LEFT, HAS_RIGHT)
             if HAS_MASK:
                 keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
@@ -86,12 +89,14 @@ def _fwd_kernel(
     stride_fib, stride_fih, stride_fim,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
+    RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -104,6 +109,14 @@ def _fwd_kernel(
     off_h = off_bh % num_heads
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
+    # packed sequences: this batch's rows start at first_q / first_k (batch strides are 0)
+    first_q, seqlen_q, first_k, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
+                                                           seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
+        diag_offset = seqlen_k - seqlen_q
+    row0 = (first_q + start_m).to(tl.int64)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -111,16 +124,19 @@ def _fwd_kernel(
     local_m = tl.arange(0, BLOCK_M)
 
     # int64 bases: batch/head/sequence offsets can pass 2**31 elements
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
-        + start_m.to(tl.int64) * stride_qm
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + row0 * stride_qm
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh \
+        + first_k.to(tl.int64) * stride_kn
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh \
+        + first_k.to(tl.int64) * stride_vn
     k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BN, BD] at key 0
     mask_rows = Mask + off_b.to(tl.int64) * stride_mb \
-        + (off_h // mask_head_div).to(tl.int64) * stride_mh + start_m.to(tl.int64) * stride_mm
+        + (off_h // mask_head_div).to(tl.int64) * stride_mh + row0 * stride_mm
     bias_rows = Bias + off_b.to(tl.int64) * stride_bb \
-        + (off_h // bias_head_div).to(tl.int64) * stride_bh + start_m.to(tl.int64) * stride_bm
+        + (off_h // bias_head_div).to(tl.int64) * stride_bh + row0 * stride_bm
     v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    key_end = row_key_end(RowLens + off_b.to(tl.int64) * stride_rlb + first_q, offs_m, seqlen_q,
+                          seqlen_k, HAS_ROW_LENS)  # [BM]
 
     q = load_rows(q_base + local_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
                   offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
@@ -145,7 +161,7 @@ def _fwd_kernel(
             acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
             offs_m, offs_n, offs_d, stride_kn, stride_vn,
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
-            seqlen_k, diag_offset, window_left, window_right,
+            seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
@@ -156,8 +172,9 @@ def _fwd_kernel(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
 
     o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
-        + start_m.to(tl.int64) * stride_om + local_m[:, None] * stride_om + offs_d[None, :]
-    lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+        + row0 * stride_om + local_m[:, None] * stride_om + offs_d[None, :]
+    lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + first_q \
+        + offs_m
     out = out.to(Out.dtype.element_ty)
     if EVEN_M:
         tl.store(lse_ptrs, lse)
@@ -172,22 +189,30 @@ def _fwd_kernel(
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
                       schedule: TileLists | None = None, mask: Elementwise | None = None,
-                      bias: Elementwise | None = None, out: torch.Tensor | None = None,
+                      bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
+                      packed: PackedSequences | None = None, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32.
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
+    packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask
-    is applied in its PARTIAL tiles, the bias in every visited tile.
+    and the per-row key lengths row_lens (int32 (B, Sq) or packed (total_q,)) are applied in its
+    PARTIAL tiles, the bias in every visited tile.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_k = k.shape[-2]
     cfg = forward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
                          elementwise=mask is not None or bias is not None)
-    block_m, block_n = (schedule.block_m, schedule.block_n) if schedule is not None \
-        else (cfg.block_m, cfg.block_n)
+    block_m, block_n = cfg.block_m, cfg.block_n
+    num_warps, num_stages = cfg.num_warps, cfg.num_stages
+    if schedule is not None:
+        block_m, block_n = schedule.block_m, schedule.block_n
+        if schedule.num_warps:
+            num_warps, num_stages = schedule.num_warps, schedule.num_stages
     out = torch.empty_like(q) if out is None else out
     if lse is None:
-        lse = torch.empty((batch, num_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    if seqlen_k == 0:  # every row sees no key
+        lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+    if k.numel() == 0:  # every row sees no key
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() == 0:
         return out, lse
@@ -197,14 +222,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     unused = Elementwise.placeholder_operands(q.device)
     _fwd_kernel[(n_tiles_m, batch * num_heads)](
         q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
+        *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out), *lse_strides(lse),
         *sched,
         *(mask.operands() if mask is not None else unused),
         *(bias.operands() if bias is not None else unused),
+        *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_left, args.window_right,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
@@ -214,10 +236,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         MASK_COLS_SHARED=mask is not None and mask.cols_shared,
         HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
         BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
-        EXPLICIT=schedule is not None, EVEN_M=seqlen_q % block_m == 0,
-        EVEN_N=seqlen_k % block_n == 0,
+        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
+        EXPLICIT=schedule is not None,
+        EVEN_M=packed is None and seqlen_q % block_m == 0,
+        EVEN_N=packed is None and seqlen_k % block_n == 0,
         REVERSE_M=schedule is None and args.has_right and not args.has_left,
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

@@ -6,6 +6,7 @@ Dense, causal and sliding-window schedules are implicit: the kernels derive tile
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -176,7 +177,8 @@ def coarsen_states(states: torch.Tensor, factor_m: int, factor_n: int) -> torch.
 class TileLists:
     """BCSR lists at one tile size (block_m query rows x block_n keys): per row tile, the PARTIAL
     column tiles (num_blocks, indices) then the FULL ones. Rows are query tiles for the forward
-    and dQ passes and key tiles (transposed lists) for dK/dV. Leading dims (B|1, H|1, n_rows)."""
+    and dQ passes and key tiles (transposed lists) for dK/dV. Leading dims (B|1, H|1, n_rows).
+    num_warps / num_stages: the launch the tiles were chosen with (0: the launcher's default)."""
 
     block_m: int
     block_n: int
@@ -184,6 +186,8 @@ class TileLists:
     indices: torch.Tensor
     full_num_blocks: torch.Tensor
     full_indices: torch.Tensor
+    num_warps: int = 0
+    num_stages: int = 0
 
     @staticmethod
     def from_states(states: torch.Tensor, block_m: int, block_n: int,
@@ -255,16 +259,24 @@ class Schedule:
         lists = TileLists.from_states(states, block_m, block_n)
         return Schedule(lists, lists, TileLists.from_states(states, block_m, block_n, True))
 
+    def launched_with(self, forward: tuple[int, int], backward: tuple[int, int]) -> "Schedule":
+        """The same lists with the (num_warps, num_stages) of the forward and backward launches."""
+        def launch(lists: TileLists, config: tuple[int, int]) -> TileLists:
+            return dataclasses.replace(lists, num_warps=config[0], num_stages=config[1])
+        return Schedule(launch(self.forward, forward), launch(self.dq, backward),
+                        launch(self.dkdv, backward))
+
     def tensors(self) -> list[torch.Tensor]:
         return self.forward.tensors() + self.dq.tensors() + self.dkdv.tensors()
 
     def tiles(self) -> list[int]:
-        return [self.forward.block_m, self.forward.block_n, self.dq.block_m, self.dq.block_n,
-                self.dkdv.block_m, self.dkdv.block_n]
+        """(block_m, block_n, num_warps, num_stages) of each pass, flattened."""
+        return [n for lists in (self.forward, self.dq, self.dkdv)
+                for n in (lists.block_m, lists.block_n, lists.num_warps, lists.num_stages)]
 
     @staticmethod
     def from_parts(tensors: list[torch.Tensor], tiles: list[int]) -> "Schedule":
         """Inverse of (tensors(), tiles()): how a schedule crosses the custom-op boundary."""
-        parts = [TileLists(tiles[2 * i], tiles[2 * i + 1], *tensors[4 * i: 4 * i + 4])
-                 for i in range(3)]
+        parts = [TileLists(*tiles[4 * i: 4 * i + 2], *tensors[4 * i: 4 * i + 4],
+                           *tiles[4 * i + 2: 4 * i + 4]) for i in range(3)]
         return Schedule(*parts)

@@ -1,0 +1,62 @@
+"""flash_attn (FlashAttention-3 interface) façade with the per-row key lengths extension of the
+variable_seqlenk_mask seed: `flash_attn_func` and `flash_attn_varlen_func` over
+`omniattn.attention`, returning (out, softmax_lse) as the seed's examples use them.
+
+q (B, Sq, H, D), k/v (B, Sk, Hk, D); varlen: q (total_q, H, D), k/v (total_k, Hk, D).
+per_row_seqlens_k: int32 (B, Sq) or (B * Sq,) (varlen: (total_q,)): query row i sees keys
+[0, len_i). Unlike the seed it combines with causal and window_size (all ANDed), and the
+gradients flow through it. softmax_lse: (B, H, Sq) float32 (varlen: (H, total_q)).
+
+Differences from the original: num_splits, pack_gqa and sm_margin are scheduling hints of the
+CUDA kernels and are accepted and ignored; FP8 descales, qv, attention_chunk and seqused_* are
+not supported (NotImplementedError).
+"""
+from __future__ import annotations
+
+from ..api import attention
+
+
+def _unsupported(**given) -> None:
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise NotImplementedError(f"flash_attn façade: {name}={value!r} is not supported by "
+                                      f"omniattn (only {default!r})")
+
+
+def _window(window_size) -> tuple[int, int] | None:
+    left, right = (int(w) for w in window_size)
+    return None if left < 0 and right < 0 else (left, right)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                    per_row_seqlens_k=None):
+    """Returns (out (B, Sq, H, D), softmax_lse (B, H, Sq) float32)."""
+    _unsupported(qv=(qv, None), q_descale=(q_descale, None), k_descale=(k_descale, None),
+                 v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+    return attention(q, k, v, causal=bool(causal), window=_window(window_size),
+                     softmax_scale=softmax_scale, softcap=float(softcap),
+                     seqlens_k_per_row=per_row_seqlens_k, deterministic=bool(deterministic),
+                     return_lse=True)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0,
+                           per_row_seqlens_k=None):
+    """Packed sequences; returns (out (total_q, H, D), softmax_lse (H, total_q) float32)."""
+    _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
+                 q_descale=(q_descale, None), k_descale=(k_descale, None),
+                 v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+    return attention(q, k, v, causal=bool(causal), window=_window(window_size),
+                     softmax_scale=softmax_scale, softcap=float(softcap),
+                     seqlens_k_per_row=per_row_seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
+                     return_lse=True)
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]

@@ -1,0 +1,63 @@
+"""How the rows of a batch lie in memory: padded (B, S, H, D) tensors, or packed (total, H, D)
+tensors whose sequences start at cu_seqlens (varlen). Kernels see both through the same
+arguments: a packed tensor has batch stride 0 and the kernel offsets each sequence's rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Sequence b holds query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows
+    [cu_seqlens_k[b], cu_seqlens_k[b + 1]); int32 (B + 1,) tensors on the device."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+    def seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) query and key lengths, on the device."""
+        return (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1],
+                self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1])
+
+
+def batch_shape(q: torch.Tensor, k: torch.Tensor, packed: PackedSequences | None):
+    """(batch, Sq, Sk) the kernels are launched for: the longest sequences when packed."""
+    if packed is not None:
+        return packed.batch, packed.max_seqlen_q, packed.max_seqlen_k
+    return q.shape[0], q.shape[1], k.shape[1]
+
+
+def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides of q/k/v/out/grads: batch 0 for a packed (total, H, D) tensor."""
+    return (0, t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of the lse: (B, H, Sq) padded, (H, total_q) packed."""
+    return (0, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+
+
+def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def row_lens_operands(row_lens: torch.Tensor | None, device: torch.device) -> tuple:
+    """(tensor, batch stride) of per-row key lengths: int32 (B, Sq), or (total_q,) packed."""
+    if row_lens is None:
+        return torch.zeros(1, dtype=torch.int32, device=device), 0
+    return row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0
+
+
+def packed_operands(packed: PackedSequences | None, device: torch.device) -> tuple:
+    if packed is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return dummy, dummy
+    return packed.cu_seqlens_q, packed.cu_seqlens_k

@@ -1,0 +1,51 @@
+"""flash_attn façade (FlashAttention-3 interface + per_row_seqlens_k): argument order, the 2-D and
+1-D length forms, varlen, window_size mapping, (out, lse) return, unsupported arguments."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import DEVICE, check_against_reference, random_qkv
+from omniattn.compat import flash_attn_func, flash_attn_varlen_func
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["2d", "1d"])
+def test_per_row_seqlens_k(flat):
+    torch.manual_seed(0)
+    q, k, v = random_qkv(2, 21, 30, 4, 2, 32, torch.float16)
+    lens = torch.randint(0, 31, (2, 21), dtype=torch.int32, device=DEVICE)
+    lens[0, 0] = 0
+    # positional order of the original: q, k, v, softmax_scale, causal
+    out, lse = flash_attn_func(q, k, v, 0.2, True, window_size=(11, -1),
+                               per_row_seqlens_k=lens.flatten() if flat else lens)
+    assert lse.shape == (2, 4, 21) and lse.dtype == torch.float32
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, softmax_scale=0.2, causal=True,
+                            window=(11, 0), seqlens_k_per_row=lens)
+
+
+def test_varlen():
+    torch.manual_seed(1)
+    lengths_q, lengths_k = [3, 19, 8], [10, 19, 1]
+    q = torch.randn(sum(lengths_q), 2, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(sum(lengths_k), 1, 16, device=DEVICE, dtype=torch.float16)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, 3, 22, 30], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 10, 29, 30], dtype=torch.int32, device=DEVICE)
+    lens = torch.cat([torch.randint(0, n + 1, (m,)) for m, n in zip(lengths_q, lengths_k)])
+    lens = lens.int().to(DEVICE)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 19, causal=True,
+                                      per_row_seqlens_k=lens)
+    assert lse.shape == (2, 30)
+    check_against_reference(out, lse, None, q, k, v, torch.zeros_like(q), causal=True,
+                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k_per_row=lens)
+
+
+@pytest.mark.parametrize("kwargs", [dict(attention_chunk=64), dict(qv=torch.zeros(1)),
+                                    dict(q_descale=torch.ones(1))])
+def test_unsupported_arguments(kwargs):
+    q, k, v = random_qkv(1, 4, 4, 2, 2, 16, torch.float16, requires_grad=False)
+    name = next(iter(kwargs))
+    with pytest.raises(NotImplementedError, match=f"^flash_attn façade: {name}="):
+        flash_attn_func(q, k, v, **kwargs)

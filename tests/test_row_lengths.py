@@ -1,0 +1,232 @@
+"""Per-row key lengths and packed (varlen) sequences on the kernels (issue #5) against the
+float64 reference: output, lse, dq, dk, dv (and dbias), combined with causal, window, softcap,
+GQA, element masks, biases and block masks; the schedule the lengths produce; determinism.
+
+Uninitialised memory is filled with NaN (torch's deterministic mode), so an output or gradient
+element the kernels fail to write fails the test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omniattn
+from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from test_block_mask import element_visibility, random_block_mask
+from test_mask_bias import exact_tile_states, nan_poisoned_memory  # noqa: F401 (autouse fixture)
+
+SCALE = 7 if GPU else 1  # GPU shapes span several 64/128 tiles, interpreter ones 16-tiles
+
+
+def random_row_lens(batch, seqlen_q, seqlen_k, seed):
+    """int32 (B, Sq) uniform in [0, Sk], with rows of length 0 and Sk in every batch."""
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, seqlen_k + 1, (batch, seqlen_q), generator=generator,
+                         dtype=torch.int32)
+    lens[:, 0] = 0
+    lens[:, -1] = seqlen_k
+    return lens.to(DEVICE)
+
+
+def run_rows(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, lens, causal=False,
+             window=None, softcap=0.0, attn_mask=None, attn_bias=None, block_mask=None,
+             flat=False):
+    torch.manual_seed(seqlen_q * 3 + seqlen_k)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    dout = torch.randn_like(q)
+    given = lens.flatten() if flat else lens
+    out, lse = omniattn.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                  attn_mask=attn_mask, attn_bias=attn_bias,
+                                  block_mask=block_mask, seqlens_k_per_row=given,
+                                  return_lse=True)
+    leaves = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+    grads = torch.autograd.grad(out, leaves, dout)
+    for name, g in zip(("dq", "dk", "dv", "dbias"), grads):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+    keep = attn_mask
+    if block_mask is not None:
+        visible = element_visibility(block_mask)
+        keep = visible if keep is None else (keep != 0) & visible
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=causal, window=window,
+                            softcap=softcap, attn_mask=keep, attn_bias=attn_bias,
+                            seqlens_k_per_row=lens)
+    empty_rows = lens == 0
+    if not causal and window is None and attn_mask is None:
+        assert (out[empty_rows] == 0).all() and (lse.transpose(1, 2)[empty_rows] == -float("inf")).all()
+    return out
+
+
+# (B, Sq, Sk, H, Hk, D, dtype, causal, window, softcap, flat)
+CASES = [
+    (2, 37, 45, 4, 2, 32, torch.float16, False, None, 0.0, False),
+    (2, 37, 45, 4, 2, 32, torch.float16, True, None, 0.0, True),
+    (1, 50, 33, 4, 1, 16, torch.float32, False, (9, 4), 0.0, False),
+    (2, 17, 64, 2, 2, 32, torch.float16, True, None, 5.0, False),
+    (1, 1, 29, 2, 1, 32, torch.float16, False, None, 0.0, True),
+]
+if GPU:
+    CASES = [(b, sq * SCALE, sk * SCALE, h, hk, 4 * d, dt, c,
+              None if w is None else (w[0] * SCALE, w[1] * SCALE), cap, flat)
+             for (b, sq, sk, h, hk, d, dt, c, w, cap, flat) in CASES]
+    CASES += [(*case[:6], torch.bfloat16, *case[7:]) for case in CASES
+              if case[6] == torch.float16]
+
+
+def case_id(case):
+    return "-".join(str(x) for x in case).replace("torch.", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_row_lengths(case):
+    batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, causal, window, softcap, flat = case
+    lens = random_row_lens(batch, seqlen_q, seqlen_k, seed=seqlen_q + seqlen_k)
+    run_rows(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, lens, causal=causal,
+             window=window, softcap=softcap, flat=flat)
+
+
+def test_structured_lengths():
+    """Lengths that hide whole key tiles (i + 1, a shifted staircase, all Sk, all 0)."""
+    seqlen_q, seqlen_k = 40 * SCALE, 53 * SCALE
+    rows = torch.arange(seqlen_q, dtype=torch.int32)
+    lens = torch.stack([(rows + 1).clamp(max=seqlen_k), (seqlen_k - 2 * rows).clamp(min=0),
+                        torch.full_like(rows, seqlen_k), torch.zeros_like(rows)]).to(DEVICE)
+    run_rows(4, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, lens)
+
+
+def test_row_lengths_with_mask_bias_and_block_mask():
+    """Lengths AND an element mask AND a learnable key bias AND a block mask."""
+    seqlen_q, seqlen_k = 40 * SCALE, 53 * SCALE
+    generator = torch.Generator().manual_seed(5)
+    lens = random_row_lens(2, seqlen_q, seqlen_k, seed=9)
+    mask = (torch.rand(2, 1, seqlen_q, seqlen_k, generator=generator) < 0.8).to(DEVICE)
+    bias = torch.randn(2, 4, 1, seqlen_k, generator=generator).to(DEVICE, torch.float16)
+    run_rows(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float16, lens, causal=True, attn_mask=mask,
+             attn_bias=bias.requires_grad_())
+    block_mask = random_block_mask(1, 4, seqlen_q, seqlen_k, 16 * SCALE if GPU else 16, 0.6, 4)
+    full_bias = torch.randn(2, 4, seqlen_q, seqlen_k, generator=generator).to(DEVICE, torch.float16)
+    run_rows(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float16, lens, block_mask=block_mask,
+             attn_bias=full_bias.requires_grad_())
+
+
+def test_row_length_tile_skipping():
+    """Key tiles past every row's length are never loaded (NaN keys there do not leak) and the
+    lists match the exact tile picture of the lengths: FULL tiles all visible, unlisted empty."""
+    from omniattn.api import _explicit_schedule
+    from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
+
+    seqlen_q, seqlen_k = 96 * SCALE, 160 * SCALE
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, requires_grad=False)
+    lens = random_row_lens(2, seqlen_q, seqlen_k // 2, seed=3)  # keys >= Sk / 2: never visible
+    k[:, seqlen_k // 2:] = float("nan")
+    v[:, seqlen_k // 2:] = float("nan")
+    out, lse = omniattn.attention(q, k, v, seqlens_k_per_row=lens, return_lse=True)
+    assert torch.isfinite(out).all()
+    half = seqlen_k // 2
+    check_against_reference(out, lse, None, q, k[:, :half], v[:, :half], torch.zeros_like(q),
+                            seqlens_k_per_row=lens)
+    for causal in (False, True):
+        schedule, _ = _explicit_schedule(q, k, KernelArgs.make(32, causal, None, None, 0.0), None,
+                                         None, row_lens=lens)
+        keys = torch.arange(seqlen_k, device=DEVICE)
+        visible = (keys[None, None, :] < lens[..., None]).unsqueeze(1)  # (B, 1, Sq, Sk)
+        if causal:
+            rows = torch.arange(seqlen_q, device=DEVICE)
+            visible &= keys[None, :] <= rows[:, None] + seqlen_k - seqlen_q
+        for lists, transposed in ((schedule.forward, False), (schedule.dq, False),
+                                  (schedule.dkdv, True)):
+            exact = exact_tile_states(visible, lists.block_m, lists.block_n)
+            n_cols = exact.shape[-1] if not transposed else exact.shape[-2]
+            partial, full = (blocks_from_lists(num, idx, n_cols).cpu()
+                             for num, idx in ((lists.num_blocks, lists.indices),
+                                              (lists.full_num_blocks, lists.full_indices)))
+            if transposed:
+                partial, full = partial.transpose(-1, -2), full.transpose(-1, -2)
+            assert (exact[full.expand_as(exact)] == 2).all(), "a FULL tile has a hidden element"
+            listed = (partial | full).expand_as(exact)
+            assert (exact[~listed] == 0).all(), "an unlisted tile has a visible element"
+            assert listed.sum() < exact.numel(), "lengths skipped no tile"
+
+
+def packed_sequences(lengths_q, lengths_k, heads, heads_k, head_dim, dtype, seed):
+    torch.manual_seed(seed)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(total_q, heads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(total_k, heads_k, head_dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(total_k, heads_k, head_dim, device=DEVICE, dtype=dtype)
+
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                            device=DEVICE)
+
+    return [t.requires_grad_() for t in (q, k, v)], offsets(lengths_q), offsets(lengths_k)
+
+
+# (lengths_q, lengths_k, H, Hk, D, dtype, causal, window, per-row lengths)
+VARLEN_CASES = [
+    ([5, 17, 1, 30], [9, 3, 20, 30], 4, 2, 32, torch.float16, False, None, False),
+    ([5, 17, 1, 30], [9, 3, 20, 30], 4, 2, 32, torch.float16, True, None, True),
+    ([33, 0, 12], [40, 7, 0], 2, 1, 16, torch.float32, False, (6, 2), False),
+    ([1, 40], [1, 40], 2, 2, 32, torch.float16, True, None, False),
+]
+if GPU:
+    VARLEN_CASES = [([n * SCALE for n in lq], [n * SCALE + (n % 3) for n in lk], h, hk, 4 * d,
+                     dt, c, None if w is None else (w[0] * SCALE, w[1] * SCALE), rl)
+                    for (lq, lk, h, hk, d, dt, c, w, rl) in VARLEN_CASES]
+    VARLEN_CASES += [(*case[:5], torch.bfloat16, *case[6:]) for case in VARLEN_CASES
+                     if case[5] == torch.float16]
+    generator = torch.Generator().manual_seed(0)
+    random_lengths = torch.randint(1, 301, (2, 12), generator=generator).tolist()
+    VARLEN_CASES.append((*random_lengths, 8, 2, 128, torch.bfloat16, True, None, True))
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=case_id)
+def test_varlen(case):
+    lengths_q, lengths_k, heads, heads_k, head_dim, dtype, causal, window, with_row_lens = case
+    (q, k, v), cu_q, cu_k = packed_sequences(lengths_q, lengths_k, heads, heads_k, head_dim,
+                                             dtype, seed=sum(lengths_q))
+    row_lens = None
+    if with_row_lens:
+        generator = torch.Generator().manual_seed(1)
+        row_lens = torch.cat([torch.randint(0, n_k + 1, (n_q,), generator=generator)
+                              for n_q, n_k in zip(lengths_q, lengths_k)]).int().to(DEVICE)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, causal=causal, window=window, cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
+                                  max_seqlen_k=max(lengths_k), seqlens_k_per_row=row_lens,
+                                  return_lse=True)
+    assert lse.shape == (heads, q.shape[0])
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=causal, window=window,
+                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k_per_row=row_lens)
+
+
+def test_varlen_without_max_seqlen_and_unchecked():
+    """max_seqlen_* are computed when omitted; check_inputs=False gives the same result."""
+    (q, k, v), cu_q, cu_k = packed_sequences([7, 20], [12, 3], 2, 1, 32, torch.float16, seed=2)
+    checked = omniattn.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    unchecked = omniattn.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                   max_seqlen_q=20, max_seqlen_k=12, check_inputs=False)
+    assert torch.equal(checked, unchecked)
+
+
+def test_backward_is_deterministic():
+    """deterministic=True (the only backward there is): bitwise-identical gradients run to run,
+    dbias included."""
+    seqlen = 200 if GPU else 40
+    runs = 10 if GPU else 2
+    q, k, v = random_qkv(2, seqlen, seqlen + 9, 4, 2, 64 if GPU else 32, torch.float16)
+    bias = torch.randn(2, 2, seqlen, seqlen + 9, device=DEVICE, dtype=torch.float16,
+                       requires_grad=True)
+    lens = random_row_lens(2, seqlen, seqlen + 9, seed=4)
+    dout = torch.randn_like(q)
+    first = None
+    for _ in range(runs):
+        out = omniattn.attention(q, k, v, causal=True, attn_bias=bias, seqlens_k_per_row=lens,
+                                 deterministic=True)
+        grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+        if first is None:
+            first = grads
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, grads))
