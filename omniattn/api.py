@@ -82,8 +82,6 @@ def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet: dropout (issue #5)")
 
 
 def _check_block_mask(block_mask, q, k) -> None:
@@ -311,7 +309,11 @@ def attention(
     Returns:
         out like q, in q's dtype (0 on rows that see no key), or (out, lse).
 
-    dropout_p > 0 raises NotImplementedError until dropout lands (issue #5).
+    dropout_p: probability of zeroing each attention probability (the kept ones are scaled by
+        1 / (1 - p)); the lse is that of the undropped softmax. The kernels draw a counter-based
+        Philox stream seeded from torch's generator (torch.manual_seed reproduces it) and
+        regenerate it in the backward pass; the CPU reference path draws from torch.rand, so
+        the two backends drop different elements.
     """
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_qkv(q, k, v, packed_layout)
@@ -349,13 +351,16 @@ def attention(
                 and q.numel() and k.numel():
             schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
                                                 seqlens_k_per_row, packed)
+        # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes
+        # the dropout pattern reproducible, and drawing it needs no device sync
+        seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
         out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
-                                    seqlens_k_per_row, packed)
+                                    seqlens_k_per_row, packed, (float(dropout_p), seed))
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
                                        attn_mask=attn_mask, attn_bias=attn_bias,
                                        block_mask=block_mask, seqlens_k_per_row=seqlens_k_per_row,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       return_lse=True)
+                                       dropout_p=float(dropout_p), return_lse=True)
     return (out, lse) if return_lse else out

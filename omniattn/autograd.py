@@ -31,18 +31,20 @@ def attention_fwd_op(
     attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
-    schedule: list[torch.Tensor], tiles: list[int],
+    dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor], tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_forward(q, k, v, args, sched.forward if sched is not None else None,
-                             mask=mask, bias=bias, row_lens=row_lens, packed=packed)
+                             mask=mask, bias=bias, row_lens=row_lens, packed=packed,
+                             dropout=(dropout_p, dropout_seed))
 
 
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, softcap, window_left, window_right, schedule, tiles):
+      max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+      schedule, tiles):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
@@ -53,7 +55,8 @@ def attention_bwd_op(
     attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
-    window_right: int, schedule: list[torch.Tensor], tiles: list[int],
+    window_right: int, dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor],
+    tiles: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_grad."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
@@ -61,26 +64,29 @@ def attention_bwd_op(
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, args, sched, mask=mask,
                                            bias=bias, bias_grad=bias_grad, dlse=dlse,
-                                           row_lens=row_lens, packed=packed)
+                                           row_lens=row_lens, packed=packed,
+                                           dropout=(dropout_p, dropout_seed))
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left, window_right,
-      schedule, tiles):
+      dropout_p, dropout_seed, schedule, tiles):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-     max_seqlen_k, softmax_scale, softcap, window_left, window_right, schedule, tiles) = inputs
+     max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+     schedule, tiles) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q,
                           cu_seqlens_k, *schedule)
     ctx.scalars = (max_seqlen_q, max_seqlen_k)
-    ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right)
+    ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right, dropout_p,
+                          dropout_seed)
     ctx.tiles = tiles
 
 
@@ -94,7 +100,7 @@ def _backward(ctx, dout, dlse):
     # gradients mirror the inputs' structure: a list per tensor list; an int list is one leaf
     # (an empty one a list)
     return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None,
-            None, None, None, [None] * len(schedule), None if ctx.tiles else [])
+            None, None, None, None, None, [None] * len(schedule), None if ctx.tiles else [])
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -102,11 +108,13 @@ attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
                      attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
-                     row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None):
-    """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too."""
+                     row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
+                     dropout: tuple[float, int] = (0.0, 0)):
+    """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too.
+    dropout: (p, seed); the backward pass regenerates the same keep decisions from the seed."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
     return attention_fwd_op(q, k, v, attn_mask, attn_bias, row_lens, cu_q, cu_k, max_q, max_k,
                             args.softmax_scale, args.softcap, args.window_left, args.window_right,
-                            tensors, tiles)
+                            *dropout, tensors, tiles)

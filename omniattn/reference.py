@@ -2,7 +2,8 @@
 
 It implements every semantic of the public API (DESIGN.md): bottom-right aligned causal, sliding
 window, element mask, additive bias (broadcast, never expanded), per-row key lengths, varlen,
-softcap, GQA, LSE, and rows that see no key (output 0, lse -inf, zero gradients).
+softcap, GQA, LSE, dropout (from torch.rand), and rows that see no key (output 0, lse -inf, zero
+gradients).
 
 Queries are processed in chunks so memory stays O(chunk * Sk). When gradients are needed each
 chunk runs under activation checkpointing, so the backward pass also stays O(chunk * Sk).
@@ -47,6 +48,7 @@ def _chunk_attention(
     keep: torch.Tensor | None,
     scale: float,
     softcap: float,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hk, G, c, D], k/v [B, Hk, 1, Sk, D], keep broadcastable to [B, Hk, G, c, Sk]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hk, G, c, Sk]
@@ -61,6 +63,9 @@ def _chunk_attention(
     # rows that see no key: probabilities 0 instead of NaN, lse stays -inf
     probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
     probs = torch.where(seen.unsqueeze(-1), probs, torch.zeros_like(probs))
+    if dropout_p > 0:
+        # checkpoint's recomputation replays the RNG state, so the backward sees the same mask
+        probs = probs * (torch.rand_like(probs) >= dropout_p) / (1.0 - dropout_p)
     out = torch.matmul(probs.to(v.dtype), v)
     return out, lse
 
@@ -80,6 +85,7 @@ def attention_reference(
     seqlens_k_per_row: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     return_lse: bool = False,
     upcast: bool = True,
     chunk_size: int = 256,
@@ -101,8 +107,8 @@ def attention_reference(
         return _varlen_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window=window,
             softmax_scale=softmax_scale, softcap=softcap, attn_mask=attn_mask, attn_bias=attn_bias,
-            seqlens_k_per_row=seqlens_k_per_row, return_lse=return_lse, upcast=upcast,
-            chunk_size=chunk_size,
+            seqlens_k_per_row=seqlens_k_per_row, dropout_p=dropout_p, return_lse=return_lse,
+            upcast=upcast, chunk_size=chunk_size,
         )
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
@@ -152,10 +158,11 @@ def attention_reference(
         q_chunk = q5[..., start:stop, :]
         if needs_grad:
             out, lse = checkpoint(
-                _chunk_attention, q_chunk, k5, v5, bias, keep, scale, softcap, use_reentrant=False
+                _chunk_attention, q_chunk, k5, v5, bias, keep, scale, softcap, dropout_p,
+                use_reentrant=False,
             )
         else:
-            out, lse = _chunk_attention(q_chunk, k5, v5, bias, keep, scale, softcap)
+            out, lse = _chunk_attention(q_chunk, k5, v5, bias, keep, scale, softcap, dropout_p)
         outs.append(out)
         lses.append(lse)
     if not outs:  # Sq = 0

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -23,6 +24,12 @@ def _tiny(name, causal=False, density=None):
 def _tiny_dynamic(name, bias):
     """B1 H2 S64 D16 fp32, causal, a top-k mask keeping 16 keys per row."""
     return bench.Workload(name, 1, 64, 64, 2, 2, 16, True, torch.float32, topk=16, bias=bias)
+
+
+def _tiny_rows(name, lengths, batch=2):
+    """B2 (or batch) H2 S64 D16 fp32, not causal, per-row key lengths named in ROW_LENGTHS."""
+    return bench.Workload(name, batch, 64, 64, 2, 2, 16, False, torch.float32,
+                          row_lengths=lengths)
 
 
 def _brute_force_pairs(blocks: torch.Tensor, block_size: int, seqlen_q: int, seqlen_k: int) -> int:
@@ -69,6 +76,98 @@ def test_element_mask_pairs_match_brute_force(seq_lengths, causal):
     counts = bench.element_mask_pairs(keep, causal, 16, 32)
     assert counts == pytest.approx(_brute_force_element_pairs(keep, causal, 16, 32))
     assert 0 < counts[2] < 1
+
+
+def _length_mask(lens: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """bool (B, 1, Sq, Sk) picture of per-row key lengths, one element at a time."""
+    batch, seqlen_q = lens.shape
+    keep = torch.zeros((batch, 1, seqlen_q, seqlen_k), dtype=torch.bool)
+    for b in range(batch):
+        for i in range(seqlen_q):
+            keep[b, 0, i, :int(lens[b, i])] = True
+    return keep
+
+
+@pytest.mark.parametrize("seq_lengths, tile", [((64, 64), (16, 32)), ((40, 56), (16, 32)),
+                                               ((50, 33), (32, 16)), ((7, 100), (16, 16))])
+def test_row_lengths_pairs_match_brute_force(seq_lengths, tile):
+    seqlen_q, seqlen_k = seq_lengths
+    generator = torch.Generator().manual_seed(3)
+    # skewed towards short rows, so that some key tiles see no row
+    lens = (torch.rand((2, seqlen_q), generator=generator) ** 3 * (seqlen_k + 1)).to(torch.int32)
+    lens[1, :16] = 0  # a query tile that sees no key (the whole tile for 16-row tiles)
+    lens[0, 0], lens[1, -1] = 0, seqlen_k  # the ends of the range
+    counts = bench.row_lengths_pairs(lens, seqlen_k, *tile)
+    assert counts == pytest.approx(_brute_force_element_pairs(_length_mask(lens, seqlen_k), False,
+                                                              *tile))
+    assert counts[1] == sum(min(int(n), seqlen_k) for n in lens.flatten()) / 2
+    assert 0 < counts[2] < 1
+
+
+def test_row_lengths_pairs_clip_to_seqlen_k():
+    """Lengths past Sk count as Sk (as omniattn clamps them)."""
+    lens = torch.tensor([[100, 3, 40]], dtype=torch.int32)
+    assert bench.row_lengths_pairs(lens, 40, 16, 16) == pytest.approx(
+        _brute_force_element_pairs(_length_mask(lens.clamp(max=40), 40), False, 16, 16))
+
+
+def test_rows_workload_inputs_and_flops(reference_path):
+    uniform, progressive = _tiny_rows("uniform", "uniform"), _tiny_rows("progressive",
+                                                                        "progressive")
+    lens = bench.ExtraInputs(uniform, "cpu").row_lens
+    assert lens.shape == (2, 64) and lens.dtype == torch.int32
+    assert 1 <= lens.min() and lens.max() <= 64
+    assert torch.equal(lens, bench.workload_row_lengths(uniform, "cpu"))  # seeded
+    assert bench.workload_row_lengths(progressive, "cpu").tolist() == [list(range(1, 65))] * 2
+    extra = bench.ExtraInputs(progressive, "cpu")
+    assert extra.block_mask is None and extra.keep is None and extra.bias is None
+    assert extra.learnable == ()
+    assert torch.equal(extra.sdpa_row_mask, _length_mask(extra.row_lens, 64))
+    [row] = bench.run_suite([progressive], providers=["omniattn"], modes=("fwd",),
+                            progress=False, device="cpu")
+    tile = bench.forward_config(16, torch.float32)
+    pairs, exact, fraction = _brute_force_element_pairs(_length_mask(extra.row_lens, 64), False,
+                                                        tile.block_m, tile.block_n)
+    assert row["row_lengths"] == "progressive"
+    assert row["flops"] == pytest.approx(4 * 2 * 2 * 16 * pairs)
+    # lengths i + 1: the causal triangle
+    assert row["flops_exact"] == 4 * 2 * 2 * 16 * bench.visible_pairs(64, 64, causal=True)
+    assert exact == bench.visible_pairs(64, 64, causal=True)
+    assert row["active_tile_fraction"] == pytest.approx(fraction)
+
+
+def test_rows_active_fraction_is_on_the_dense_gpu_tiles(monkeypatch):
+    """The acceptance scales the dense time by the fraction of 128 x 128 tiles: the tiles the
+    GPU forward kernel runs for D128 bf16 with lengths alone (no causal), as for dense."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tile = bench.forward_config(128, torch.bfloat16, masked=False)
+    assert (tile.block_m, tile.block_n) == (128, 128)
+    workload = bench.default_workloads("cuda", "rows")[2]
+    lens = bench.workload_row_lengths(workload, "cpu")
+    # progressive lengths at 8k: query tile m visits key tiles 0..m of 64
+    assert bench.row_lengths_pairs(lens, 8192, 128, 128)[2] == pytest.approx(65 / 128)
+
+
+def test_rows_providers_agree(reference_path):
+    """omniattn (seqlens_k_per_row) and SDPA math (bool mask) compute the same output and
+    gradients."""
+    workload = _tiny_rows("rows", "uniform")
+    extra = bench.ExtraInputs(workload, "cpu")
+    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    results = []
+    for provider in ("omniattn", "sdpa-math"):
+        built = bench._providers()[provider](workload, torch.device("cpu"), extra)
+        assert built.learnable == ()
+        out = built.fn(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
+    for ours, sdpa in zip(*results):
+        torch.testing.assert_close(ours, sdpa)
+
+
+def test_rows_workloads_skip_sdpa_flash_and_cudnn(reference_path):
+    workload = _tiny_rows("rows", "progressive")
+    assert bench._providers_for(workload, bench.PROVIDERS) == (
+        "omniattn", "sdpa-efficient", "sdpa-math", "flex")
 
 
 def test_dynamic_workload_inputs_and_flops(reference_path):
@@ -155,6 +254,17 @@ def test_dynamic_workload_validation(fields, match):
         bench.Workload("bad", 1, 64, 64, 2, 2, 16, False, torch.float32, **fields)
 
 
+@pytest.mark.parametrize("causal, fields, match", [
+    (False, dict(row_lengths="random"), "row_lengths must be one of"),
+    (False, dict(row_lengths="uniform", density=0.5), "only mask"),
+    (False, dict(row_lengths="uniform", topk=16, bias="key"), "only mask"),
+    (True, dict(row_lengths="progressive"), "causal must be False"),
+])
+def test_rows_workload_validation(causal, fields, match):
+    with pytest.raises(ValueError, match=match):
+        bench.Workload("bad", 1, 64, 64, 2, 2, 16, causal, torch.float32, **fields)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_every_suite_constructs(device):
     suites = {suite: bench.default_workloads(device, suite) for suite in bench.SUITES}
@@ -168,6 +278,9 @@ def test_every_suite_constructs(device):
     assert {w.head_dim for w in suites["headdim"]} == {64, 256}
     assert [w.bias for w in suites["dynamic"]] == list(bench.DYNAMIC_BIASES)
     assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
+    assert [w.row_lengths for w in suites["rows"]] == [None, *bench.ROW_LENGTHS]
+    assert len({(w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.head_dim, w.dtype, w.causal)
+                for w in suites["rows"]}) == 1  # the dense reference has the lengths' shape
     if device == "cpu":  # masks build here only on the CPU
         for workload in suites["sparse"]:
             mask = bench.workload_block_mask(workload, device)
@@ -178,6 +291,11 @@ def test_every_suite_constructs(device):
             shape = (workload.batch, workload.heads, workload.seqlen_q, workload.seqlen_k)
             assert extra.keep.shape == shape
             assert extra.bias.dtype == workload.dtype and extra.bias.requires_grad
+        for workload in suites["rows"][1:]:
+            lens = bench.ExtraInputs(workload, device).row_lens
+            assert lens.shape == (workload.batch, workload.seqlen_q)
+            assert lens.dtype == torch.int32
+            assert 1 <= lens.min() and lens.max() <= workload.seqlen_k
 
 
 def test_core_suite_is_unchanged_on_gpu():
@@ -200,6 +318,19 @@ def test_dynamic_suite_on_gpu():
     ]
 
 
+def test_rows_suite_on_gpu():
+    """B2 H16 D128 8k bf16, not causal: the dense reference, then uniform and progressive
+    lengths."""
+    rows = bench.default_workloads("cuda", "rows")
+    assert [(w.name, w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.heads_k, w.head_dim, w.dtype,
+             w.causal, w.row_lengths) for w in rows] == [
+        ("dense-b2-s8192", 2, 8192, 8192, 16, 16, 128, torch.bfloat16, False, None),
+        ("rows-uniform-b2-s8192", 2, 8192, 8192, 16, 16, 128, torch.bfloat16, False, "uniform"),
+        ("rows-progressive-b2-s8192", 2, 8192, 8192, 16, 16, 128, torch.bfloat16, False,
+         "progressive"),
+    ]
+
+
 def test_unknown_suite():
     with pytest.raises(ValueError, match="unknown suite"):
         bench.default_workloads("cpu", "nope")
@@ -207,12 +338,13 @@ def test_unknown_suite():
 
 @pytest.fixture(scope="module")
 def tiny_results():
-    """run_suite on a sparse, a dense and a dynamic tiny workload, omniattn (reference path) and
-    SDPA math."""
+    """run_suite on a sparse, a dense, a dynamic and a rows tiny workload, omniattn (reference
+    path) and SDPA math."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         return bench.run_suite([_tiny("tiny-sparse", density=0.5), _tiny("tiny-dense"),
-                                _tiny_dynamic("tiny-dyn", "full")],
+                                _tiny_dynamic("tiny-dyn", "full"),
+                                _tiny_rows("tiny-rows", "uniform", batch=1)],
                                providers=["omniattn", "sdpa-math"], progress=False, device="cpu")
 
 
@@ -229,11 +361,18 @@ def test_run_suite_rows(tiny_results):
         ("tiny-dyn", "fwd", "sdpa-math"),
         ("tiny-dyn", "fwd+bwd", "omniattn"),
         ("tiny-dyn", "fwd+bwd", "sdpa-math"),
+        ("tiny-rows", "fwd", "omniattn"),
+        ("tiny-rows", "fwd", "sdpa-math"),
+        ("tiny-rows", "fwd+bwd", "omniattn"),
+        ("tiny-rows", "fwd+bwd", "sdpa-math"),
     ]
     for r in tiny_results:
         assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0
+        assert math.isfinite(r["ms"]) and math.isfinite(r["tflops"])
         assert r["density"] == (0.5 if r["name"] == "tiny-sparse" else None)
-        assert (r["active_tile_fraction"] is None) == (r["name"] != "tiny-dyn")
+        assert r["row_lengths"] == ("uniform" if r["name"] == "tiny-rows" else None)
+        assert (r["active_tile_fraction"] is None) == (r["name"] not in ("tiny-dyn", "tiny-rows"))
+        assert r["flops_exact"] <= r["flops"]
 
 
 def test_format_table_names_workloads(tiny_results):
@@ -241,6 +380,10 @@ def test_format_table_names_workloads(tiny_results):
     assert "tiny-sparse" in table and "tiny-dense" in table and "tiny-dyn" in table
     assert "errors:" not in table
     assert "tiny-dyn: 16 keys per row (causal)" in table
+    # tiny-dense has tiny-rows' shape: the acceptance ratio in both modes
+    assert "ratio = omniattn ms / (dense ms x active tile fraction)" in table
+    assert "tiny-rows: lengths uniform in [1, Sk], " in table
+    assert "ratio fwd " in table and ", fwd+bwd " in table
 
 
 def test_write_json_round_trips(tiny_results, tmp_path):

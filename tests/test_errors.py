@@ -248,14 +248,6 @@ def test_dropout_p_out_of_range(p):
         attention(q, k, v, dropout_p=p)
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.999])
-def test_dropout_p_positive_not_implemented(p):
-    q, k, v = make()
-    with pytest.raises(NotImplementedError, match=r"^dropout_p > 0 is not implemented yet: "
-                                                  r"dropout \(issue #5\)$"):
-        attention(q, k, v, dropout_p=p)
-
-
 @pytest.mark.parametrize("det", [1, None, "yes"])
 def test_deterministic_not_bool(det):
     q, k, v = make()

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
+from .common import (LOG2E, dropout_keep, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
                      row_key_end, schedule_phase, schedule_rows, scores_log2, sequence_bounds,
                      store_pair_tile, visible_elements)
 from .configs import backward_config, padded_head_dim
@@ -46,12 +46,13 @@ def _dkdv_tiles(
     mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
     dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ACCUMULATE: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    DBIAS_ACCUMULATE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -99,8 +100,15 @@ def _dkdv_tiles(
                                         EVEN_N, EVEN_M)
                 visible_t = visible_t & (keep_t != 0)
             p_t = tl.where(visible_t, p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
+        if DROPOUT:
+            # dropped elements carry neither probability to dV nor gradient to dP
+            keep_t = dropout_keep(rng_seed, rng_base, rows, offs_n, rng_stride, dropout_p, True)
+            dv += tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do,
+                         input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])  # d loss / d (score + bias)
         if DBIAS:
             if BIAS_ROWS_SHARED:
@@ -122,12 +130,12 @@ def _dq_tiles(
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     dbias_tile_rows, stride_dbm, stride_dbn,
     seqlen_k, key_end, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
+    DROPOUT: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -165,6 +173,9 @@ def _dq_tiles(
                 visible = visible & (keep != 0)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
+        if DROPOUT:
+            dp = tl.where(dropout_keep(rng_seed, rng_base, offs_m, keys, rng_stride, dropout_p,
+                                       False), dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if DBIAS:
             dbias_rows += tl.sum(ds, 1)
@@ -190,13 +201,14 @@ def _dkdv_program(
     dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
     seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
-    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
     (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
@@ -246,10 +258,11 @@ def _dkdv_program(
                 dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n, row_lens,
                 seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                 qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                HAS_ROW_LENS, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
+                HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
                 HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
@@ -280,12 +293,13 @@ def _dq_program(
     dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
-    EXPLICIT: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
@@ -335,9 +349,10 @@ def _dq_program(
             dbias_tile_rows, stride_dbm, stride_dbn,
             seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_TILES,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DROPOUT, DBIAS, DBIAS_TILES,
             HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
@@ -377,13 +392,13 @@ def _bwd_kernel(
     RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
@@ -394,6 +409,10 @@ def _bwd_kernel(
     num_heads_k = num_heads // group
     off_b = off_bhk // num_heads_k
     off_hk = off_bhk % num_heads_k
+    # dropout counters as in the forward pass: (batch, query head, row, key) in the launch's grid
+    rng_stride = seqlen_k
+    rng_head_stride = (seqlen_q + tl.zeros([], tl.int64)) * seqlen_k
+    rng_batch_base = off_b.to(tl.int64) * num_heads * rng_head_stride
     # packed sequences: every row-indexed base moves to this batch's first row (batch strides 0)
     first_q, seqlen_q, first_k, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
                                                            seqlen_q, seqlen_k, VARLEN)
@@ -433,9 +452,10 @@ def _bwd_kernel(
             dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
             seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
     else:
@@ -455,9 +475,11 @@ def _bwd_kernel(
             dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
+            rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DBIAS and BIAS_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
+            DBIAS and BIAS_COLS_SHARED,
             DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
 
 
@@ -493,11 +515,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        mask: Elementwise | None = None, bias: Elementwise | None = None,
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
                        row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                       dq=None, dk=None, dv=None):
+                       dropout: tuple[float, int] = (0.0, 0), dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
-    (H, total_q)). dq / dk / dv may be given (preallocated)."""
+    (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
@@ -557,7 +579,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
-        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
+        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
@@ -565,7 +587,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         MASK_COLS_SHARED=mask is not None and mask.cols_shared,
         HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
         BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
-        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
+        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
         DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead,
         EXPLICIT=schedule is not None,
         EVEN_M1=even and seqlen_q % block_m1 == 0, EVEN_N1=even and seqlen_k % block_n1 == 0,

@@ -102,6 +102,18 @@ def store_pair_tile(base, value, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
 
 
 @triton.jit
+def dropout_keep(seed, rng_base, offs_q, offs_k, rng_stride, dropout_p, TRANSPOSED: tl.constexpr):
+    """Dropout's keep decision for (query offs_q, key offs_k) of one (batch, head): one Philox
+    draw per element at counter rng_base + q * rng_stride + k, the same in every pass that
+    visits the element. [BM, BN], or [BN, BM] when TRANSPOSED."""
+    if TRANSPOSED:
+        offsets = rng_base + offs_q[None, :].to(tl.int64) * rng_stride + offs_k[:, None]
+    else:
+        offsets = rng_base + offs_q[:, None].to(tl.int64) * rng_stride + offs_k[None, :]
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
 def tanh(x):
     # exp2-based so it runs the same under the interpreter; saturates cleanly at +-1
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
+from .common import (LOG2E, dropout_keep, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, visible_elements)
 from .configs import forward_config, padded_head_dim
 from .elementwise import Elementwise
@@ -21,12 +21,12 @@ def _fwd_tiles(
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, key_end, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
@@ -68,7 +68,10 @@ def _fwd_tiles(
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped elements
+        if DROPOUT:
+            p = tl.where(dropout_keep(rng_seed, rng_base, offs_m, keys, rng_stride, dropout_p,
+                                      False), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -91,12 +94,12 @@ def _fwd_kernel(
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -109,6 +112,9 @@ def _fwd_kernel(
     off_h = off_bh % num_heads
     off_hk = off_h // group
     start_m = tile_m * BLOCK_M
+    # dropout counters: (batch, head, row, key) in the launch's (max) Sq x Sk grid
+    rng_base = off_bh.to(tl.int64) * seqlen_q * seqlen_k
+    rng_stride = seqlen_k
     # packed sequences: this batch's rows start at first_q / first_k (batch strides are 0)
     first_q, seqlen_q, first_k, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
                                                            seqlen_q, seqlen_k, VARLEN)
@@ -162,13 +168,15 @@ def _fwd_kernel(
             offs_m, offs_n, offs_d, stride_kn, stride_vn,
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
             seqlen_k, key_end, diag_offset, window_left, window_right,
-            qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
+            dropout_p, EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-            BIAS_COLS_SHARED, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+            BIAS_COLS_SHARED, DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
+    if DROPOUT:
+        out = out / (1.0 - dropout_p)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
 
     o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
@@ -190,13 +198,14 @@ def _fwd_kernel(
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
                       schedule: TileLists | None = None, mask: Elementwise | None = None,
                       bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
-                      packed: PackedSequences | None = None, out: torch.Tensor | None = None,
+                      packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
+                      out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
     packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask
     and the per-row key lengths row_lens (int32 (B, Sq) or packed (total_q,)) are applied in its
-    PARTIAL tiles, the bias in every visited tile.
+    PARTIAL tiles, the bias in every visited tile. dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
@@ -229,14 +238,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_left, args.window_right,
-        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2,
+        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
         HAS_MASK=mask is not None, MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
         MASK_COLS_SHARED=mask is not None and mask.cols_shared,
         HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
         BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
-        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
+        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
         EXPLICIT=schedule is not None,
         EVEN_M=packed is None and seqlen_q % block_m == 0,
         EVEN_N=packed is None and seqlen_k % block_n == 0,
