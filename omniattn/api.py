@@ -10,7 +10,7 @@ from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
                                   states_schedule)
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
-from .kernels.sequences import PackedSequences
+from .kernels.sequences import PackedSequences, batch_shape
 from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
@@ -204,8 +204,7 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     ANDed with the block mask's). Element-exact tile states (the mask's pre-pass, the lengths'
     min/max per tile) are computed once, at the finest tile any pass uses, and ANDed."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
-    _, seqlen_q, seqlen_k = (packed.batch, packed.max_seqlen_q, packed.max_seqlen_k) \
-        if packed is not None else (q.shape[0], q.shape[1], k.shape[1])
+    _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     elementwise = attn_mask is not None or attn_bias is not None
     full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
     # per-row lengths alone leave most tiles FULL: the dense (or causal) tiles stay the best
@@ -245,6 +244,8 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
         schedule = Schedule.build(states_at, *tiles, num_heads)
     return schedule.launched_with((fwd.num_warps, fwd.num_stages),
                                   (bwd.num_warps, bwd.num_stages)), args
+
+
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()

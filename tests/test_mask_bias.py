@@ -171,7 +171,8 @@ def test_mask_schedule_is_sound(form, causal, window):
     listed FULL tile has every element visible, an unlisted tile none, and every tile whose
     elements are all visible is FULL (up to the ragged last tile of the listed dimension, which
     the kernels treat as PARTIAL)."""
-    from omniattn.kernels.elementwise import Elementwise, mask_schedule
+    from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states,
+                                              states_schedule)
     from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
     from test_schedule import predicate
 
@@ -184,7 +185,9 @@ def test_mask_schedule_is_sound(form, causal, window):
         mask[..., :, 48:64] = False  # HIDDEN tiles
     args = KernelArgs.make(32, causal, window, None, 0.0)
     tiles = ((32, 16), (16, 32), (32, 32))
-    schedule = mask_schedule(Elementwise.of(mask, heads), seqlen_q, seqlen_k, heads, args, *tiles)
+    fine_tile = fine_tile_of(*tiles)  # the pre-pass reads the mask once, at the finest tile
+    fine = mask_tile_states(Elementwise.of(mask, heads), seqlen_q, seqlen_k, *fine_tile, args)
+    schedule = states_schedule(fine, fine_tile, seqlen_q, seqlen_k, heads, args, *tiles)
     visible = mask.expand(batch, -1, seqlen_q, seqlen_k) & predicate(seqlen_q, seqlen_k, causal,
                                                                       window)
     if visible.shape[1] == heads_k:

@@ -273,15 +273,3 @@ def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, bloc
     full = end_k[:, None, :] <= shortest[..., None]
     states = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
     return states.unsqueeze(1)
-
-
-def mask_schedule(mask: Elementwise, seqlen_q: int, seqlen_k: int, num_heads: int,
-                  args: KernelArgs, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
-                  dkdv_tile: tuple[int, int]) -> Schedule:
-    """The schedule of an element mask ANDed with causal / window, all on the device in four
-    launches (no host sync): the pre-pass reads the mask once at the finest tile any pass
-    uses, then each pass's lists are built from those states."""
-    fine_tile = fine_tile_of(forward_tile, dq_tile, dkdv_tile)
-    fine = mask_tile_states(mask, seqlen_q, seqlen_k, *fine_tile, args)
-    return states_schedule(fine, fine_tile, seqlen_q, seqlen_k, num_heads, args, forward_tile,
-                           dq_tile, dkdv_tile)
