@@ -54,21 +54,29 @@ def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_fo
         if neg_inf_bias:
             bias[torch.rand(bias.shape, generator=generator) < 0.2] = float("-inf")
         bias = bias.to(device=DEVICE, dtype=dtype).requires_grad_()
+    out, _, grads = run_and_check(q, k, v, attn_mask=mask, attn_bias=bias, block_mask=block_mask,
+                                  causal=causal, window=window, softcap=softcap)
+    return out, grads
+
+
+def run_and_check(q, k, v, attn_mask=None, attn_bias=None, block_mask=None, **kwargs):
+    """The kernels' out, lse, dq, dk, dv (and dbias) against the float64 reference, which sees
+    the block mask expanded into the element mask; every gradient must be finite. `kwargs` go
+    to both. Returns (out, lse, grads)."""
     dout = torch.randn_like(q)
-    out, lse = omniattn.attention(q, k, v, causal=causal, window=window, softcap=softcap,
-                                  attn_mask=mask, attn_bias=bias, block_mask=block_mask,
-                                  return_lse=True)
-    leaves = (q, k, v) if bias is None else (q, k, v, bias)
+    out, lse = omniattn.attention(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
+                                  block_mask=block_mask, return_lse=True, **kwargs)
+    leaves = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
     grads = torch.autograd.grad(out, leaves, dout)
     for name, g in zip(("dq", "dk", "dv", "dbias"), grads):
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
-    keep = mask
+    keep = attn_mask
     if block_mask is not None:
         visible = element_visibility(block_mask)
         keep = visible if keep is None else (keep != 0) & visible
-    check_against_reference(out, lse, grads, q, k, v, dout, causal=causal, window=window,
-                            softcap=softcap, attn_mask=keep, attn_bias=bias)
-    return out, grads
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=keep, attn_bias=attn_bias,
+                            **kwargs)
+    return out, lse, grads
 
 
 # (B, Sq, Sk, H, Hk, D, dtype, mask form, mask dtype, bias form, causal, window, softcap)
