@@ -84,15 +84,18 @@ def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
 
 
-def _check_block_mask(block_mask, q, k) -> None:
+def _check_block_mask(block_mask, q, k, packed: PackedSequences | None) -> None:
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be an omniattn.BlockMask, got {type(block_mask).__name__}"
                         f" (a FlexAttention BlockMask converts with omniattn.BlockMask.from_flex)")
-    batch, seqlen_q, num_heads = q.shape[:3]
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads = q.shape[-2]
     mask_batch, mask_heads = block_mask.kv_num_blocks.shape[:2]
-    if block_mask.seq_lengths != (seqlen_q, k.shape[1]):
+    if block_mask.seq_lengths != (seqlen_q, seqlen_k):
+        lengths = "max_seqlen_q = {}, max_seqlen_k = {} (packed: the mask covers the longest " \
+            "sequences)" if packed is not None else "Sq = {}, Sk = {}"
         raise ValueError(f"block_mask was built for (Sq, Sk) = {block_mask.seq_lengths}, but q/k "
-                         f"have Sq = {seqlen_q}, Sk = {k.shape[1]}")
+                         f"have {lengths.format(seqlen_q, seqlen_k)}")
     if mask_batch not in (1, batch) or mask_heads not in (1, num_heads):
         raise ValueError(f"block_mask lists have batch/head dims ({mask_batch}, {mask_heads}); "
                          f"expected (1 or {batch}, 1 or {num_heads})")
@@ -207,8 +210,10 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     elementwise = attn_mask is not None or attn_bias is not None
     full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
-    # per-row lengths alone leave most tiles FULL: the dense (or causal) tiles stay the best
-    sparse = block_mask is not None or attn_mask is not None or args.masked
+    # per-row lengths alone, or a block mask without PARTIAL blocks, leave most visited tiles
+    # FULL: the dense (or causal) tiles stay the best
+    sparse = attn_mask is not None or args.masked or (
+        block_mask is not None and block_mask.has_partial_blocks)
     fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise)
     bwd = backward_config(head_dim, q.dtype, masked=sparse, full_bias=full_bias)
     tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
@@ -232,16 +237,19 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     if block_mask is None:
         schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, num_heads,
                                    outer_args, *tiles, packed=packed)
-    elif element_states is None:
+    elif element_states is None and packed is None:
         schedule = block_mask.kernel_schedule(*tiles, outer, num_heads)
     else:
-        # the element states join the block mask's on the host (tile-granular tensors)
-        def states_at(block_m: int, block_n: int) -> torch.Tensor:
-            element = coarsen_states(element_states, block_m // fine_tile[0],
-                                     block_n // fine_tile[1])
-            return block_mask.kernel_states(block_m, block_n, outer, element)
+        # element states and per-sequence predicates join the block mask's on the host
+        # (tile-granular tensors)
+        lengths = packed.seqlens() if packed is not None else None
 
-        schedule = Schedule.build(states_at, *tiles, num_heads)
+        def states_at(block_m: int, block_n: int) -> torch.Tensor:
+            element = None if element_states is None else coarsen_states(
+                element_states, block_m // fine_tile[0], block_n // fine_tile[1])
+            return block_mask.kernel_states(block_m, block_n, outer, element, lengths)
+
+        schedule = Schedule.build(states_at, *tiles, num_heads, block_mask.kernel_bits)
     return schedule.launched_with((fwd.num_warps, fwd.num_stages),
                                   (bwd.num_warps, bwd.num_stages)), args
 
@@ -292,7 +300,9 @@ def attention(
             dims it broadcasts, inside the backward pass). The mask is classified per tile by a
             pre-pass: all-kept tiles skip the mask load, all-masked tiles are never loaded.
         block_mask: an omniattn.BlockMask for (Sq, Sk): only its listed blocks are computed; its
-            PARTIAL blocks apply its own causal/window predicate; ANDed with causal/window.
+            PARTIAL blocks apply its own causal/window predicate and element bitmaps; ANDed with
+            causal/window and the other masks. Packed: built for (max_seqlen_q, max_seqlen_k),
+            its batch dim (1 or B) indexes the sequences, blocks count from each sequence's start.
         seqlens_k_per_row: int32 (B, Sq) or (B * Sq,) (packed: (total_q,)): query row i sees
             keys [0, len_i) of its sequence, ANDed with every other mask. Key tiles past a query
             tile's longest row are never loaded; those below its shortest skip the predicate.
@@ -327,8 +337,7 @@ def attention(
     if packed_layout:
         packed = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                check_inputs)
-        for name, given in (("attn_mask", attn_mask), ("attn_bias", attn_bias),
-                            ("block_mask", block_mask)):
+        for name, given in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
             if given is not None:
                 raise NotImplementedError(f"{name} with packed (varlen) sequences is not "
                                           f"implemented yet (issue #5); pad the batch instead")
@@ -337,7 +346,7 @@ def attention(
                          "cu_seqlens_q and cu_seqlens_k")
 
     if block_mask is not None:
-        _check_block_mask(block_mask, q, k)
+        _check_block_mask(block_mask, q, k, packed)
     if attn_mask is not None:
         _check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k)
     if attn_bias is not None:

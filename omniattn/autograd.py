@@ -37,7 +37,7 @@ def attention_fwd_op(
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_forward(q, k, v, args, sched.forward if sched is not None else None,
-                             mask=mask, bias=bias, row_lens=row_lens, packed=packed,
+                             sched.bits if sched is not None else None, mask=mask, bias=bias, row_lens=row_lens, packed=packed,
                              dropout=(dropout_p, dropout_seed))
 
 

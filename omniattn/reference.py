@@ -15,19 +15,9 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .kernels.schedule import FULL, PARTIAL, RelativePredicate
+from .kernels.schedule import RelativePredicate
 
 __all__ = ["attention_reference"]
-
-
-def _block_mask_keep(block_mask, q_idx, seqlen_q, seqlen_k, device) -> torch.Tensor:
-    """Bool (B|1, H|1, c, Sk) visibility of rows q_idx under a BlockMask."""
-    states = block_mask.element_states(q_idx.to(block_mask.kv_indices.device), seqlen_k).to(device)
-    by_predicate = block_mask.predicate.visible(q_idx, seqlen_q, seqlen_k)
-    partial_keep = states == PARTIAL
-    if by_predicate is not None:
-        partial_keep &= by_predicate
-    return (states == FULL) | partial_keep
 
 
 def _as_5d(t: torch.Tensor, num_heads_k: int, group: int) -> torch.Tensor:
@@ -97,7 +87,8 @@ def attention_reference(
     nonzero = keep) and attn_bias broadcastable to (B, Hm, Sq, Sk) with Hm in {1, Hk, H} (varlen:
     (total_q, Hm, max_seqlen_k)). seqlens_k_per_row: (B, Sq) or (B*Sq,), row i sees keys [0, len).
     block_mask: an omniattn.BlockMask (B|1, H|1 lists): FULL blocks visible, PARTIAL blocks apply
-    its predicate, other blocks hidden; expanded one chunk of rows at a time.
+    its predicate and element bitmaps, other blocks hidden; expanded one chunk of rows at a time
+    (varlen: its batch dim indexes the sequences).
 
     Returns out (like q, in q's dtype) and, if return_lse, lse (B, H, Sq) float32 (varlen: (H, total_q)).
     With upcast=True the arithmetic is float32 (float64 inputs stay float64); with upcast=False it
@@ -107,8 +98,8 @@ def attention_reference(
         return _varlen_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window=window,
             softmax_scale=softmax_scale, softcap=softcap, attn_mask=attn_mask, attn_bias=attn_bias,
-            seqlens_k_per_row=seqlens_k_per_row, dropout_p=dropout_p, return_lse=return_lse,
-            upcast=upcast, chunk_size=chunk_size,
+            seqlens_k_per_row=seqlens_k_per_row, block_mask=block_mask, dropout_p=dropout_p,
+            return_lse=return_lse, upcast=upcast, chunk_size=chunk_size,
         )
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
@@ -145,7 +136,7 @@ def attention_reference(
             m = mask5[..., start:stop, :] if mask5.shape[3] != 1 else mask5
             keep = m if keep is None else keep & m
         if block_mask is not None:
-            by_blocks = _block_mask_keep(block_mask, q_idx, seqlen_q, seqlen_k, q.device)
+            by_blocks = block_mask.visible(q_idx, seqlen_q, seqlen_k).to(q.device)
             by_blocks = _as_5d(by_blocks, num_heads_k, group)
             keep = by_blocks if keep is None else keep & by_blocks
         if row_lens is not None:
@@ -177,8 +168,9 @@ def attention_reference(
 
 
 def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, attn_mask, attn_bias,
-                      seqlens_k_per_row, return_lse, **kwargs):
-    """Packed sequences: each sequence is attended on its own; packed masks are (total_q, Hm, max_k)."""
+                      seqlens_k_per_row, block_mask, return_lse, **kwargs):
+    """Packed sequences: each sequence is attended on its own; packed masks are (total_q, Hm, max_k);
+    a block mask's batch dim indexes sequences, its blocks count from each sequence's start."""
     outs, lses = [], []
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()
@@ -198,6 +190,7 @@ def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, attn_mask, attn_bi
         out, lse = attention_reference(
             q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
             attn_mask=packed(attn_mask), attn_bias=packed(attn_bias), seqlens_k_per_row=lens,
+            block_mask=block_mask.sequence(i, q1 - q0, k1 - k0) if block_mask is not None else None,
             return_lse=True, **kwargs,
         )
         outs.append(out[0])

@@ -8,12 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
+from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
                      row_key_end, schedule_phase, schedule_rows, scores_log2, sequence_bounds,
                      store_pair_tile, visible_elements)
 from .configs import backward_config, padded_head_dim
 from .elementwise import Elementwise
-from .schedule import KernelArgs, Schedule, TileLists
+from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
                         row_lens_operands, row_strides)
 
@@ -47,12 +47,14 @@ def _dkdv_tiles(
     dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
+    bit_col, stride_sq, block_bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr,
+    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -99,6 +101,10 @@ def _dkdv_tiles(
                                         seqlen_q - start_m, MASK_COLS_SHARED, MASK_ROWS_SHARED,
                                         EVEN_N, EVEN_M)
                 visible_t = visible_t & (keep_t != 0)
+            if HAS_BITS:
+                visible_t = visible_t & block_bits_keep(
+                    bit_col + (start_m // USER_BQ) * stride_sq, block_bits, rows, offs_n,
+                    USER_BQ, USER_BK, True)
             p_t = tl.where(visible_t, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
         if DROPOUT:
@@ -131,11 +137,13 @@ def _dq_tiles(
     dbias_tile_rows, stride_dbm, stride_dbn,
     seqlen_k, key_end, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
+    bit_row, stride_sk, block_bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     DROPOUT: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
+    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -171,6 +179,10 @@ def _dq_tiles(
                                       offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
                                       MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N)
                 visible = visible & (keep != 0)
+            if HAS_BITS:
+                visible = visible & block_bits_keep(
+                    bit_row + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
+                    USER_BQ, USER_BK, False)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         if DROPOUT:
@@ -199,6 +211,7 @@ def _dkdv_program(
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
     dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+    bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
     seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
@@ -208,7 +221,8 @@ def _dkdv_program(
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
+    USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
     (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
@@ -240,6 +254,7 @@ def _dkdv_program(
             + start_n.to(tl.int64) * stride_mn
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
+        bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
         dbias_slot = off_h if DBIAS_PER_QHEAD else off_hk
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
@@ -259,11 +274,12 @@ def _dkdv_program(
                 seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                 qk_scale_log2, softcap_inv_scaled, softcap_log2,
                 rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
+                bit_col, stride_sq, block_bits,
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
                 HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
-                HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+                HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
             if DBIAS_PER_QHEAD or g == group - 1:
@@ -291,6 +307,7 @@ def _dq_program(
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
     dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+    bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
@@ -300,7 +317,8 @@ def _dq_program(
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr,
+    USER_BQ: tl.constexpr, USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
     every key) also its dbias rows, with DBIAS_TILES (a full bias per query head) its dbias
@@ -329,6 +347,7 @@ def _dq_program(
     dbias_tile_rows = dbias_batch + off_h.to(tl.int64) * stride_dbh \
         + start_m.to(tl.int64) * stride_dbm
     key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
+    bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
@@ -350,10 +369,11 @@ def _dq_program(
             seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
+            bit_row, stride_sk, block_bits,
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DROPOUT, DBIAS, DBIAS_TILES,
-            HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+            HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
         + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
@@ -390,6 +410,7 @@ def _bwd_kernel(
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
+    BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
@@ -402,6 +423,7 @@ def _bwd_kernel(
     DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
+    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -433,6 +455,7 @@ def _bwd_kernel(
     bias_batch = Bias + off_b.to(tl.int64) * stride_bb + row0 * stride_bm
     dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb + row0 * stride_dbm
     row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
+    bit_batch = BitSlots + off_b * stride_sb
     # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
     # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
     # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group)
@@ -450,6 +473,7 @@ def _bwd_kernel(
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
             dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+            bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
             seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
@@ -457,7 +481,7 @@ def _bwd_kernel(
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
-            EXPLICIT, EVEN_M1, EVEN_N1, DOT_PRECISION)
+            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION)
     else:
         work = pid - n_tiles_n
         if (work % n_tiles_m) * BLOCK_M2 >= seqlen_q:
@@ -473,6 +497,7 @@ def _bwd_kernel(
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
             dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+            bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
@@ -480,7 +505,8 @@ def _bwd_kernel(
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
-            DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, DOT_PRECISION)
+            DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
+            DOT_PRECISION)
 
 
 def _dbias_buffer(bias: torch.Tensor, batch: int, num_heads: int, num_heads_k: int):
@@ -525,6 +551,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     num_heads_k = k.shape[-2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
+    bits = schedule.bits if schedule is not None else None
     cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
                           full_bias=bias is not None and bias.spans_queries_and_keys)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
@@ -577,6 +604,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         *(bias.operands() if bias is not None else unused),
         *dbias_operands,
         *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
+        *(bits.operands(batch, num_heads) if bits is not None
+          else BlockBits.placeholder_operands(q.device)),
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
@@ -592,6 +621,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         EXPLICIT=schedule is not None,
         EVEN_M1=even and seqlen_q % block_m1 == 0, EVEN_N1=even and seqlen_k % block_n1 == 0,
         EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
+        HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
+        USER_BK=bits.block_k if bits is not None else 1,
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

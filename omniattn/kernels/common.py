@@ -38,6 +38,22 @@ def visible_elements(
 
 
 @triton.jit
+def block_bits_keep(slot_ptr, bits, rows, cols, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
+                    TRANSPOSED: tl.constexpr):
+    """Element bitmap of the user block whose slot is at slot_ptr (the tile lies inside it):
+    [BM, BN] True where visible ([BN, BM] when TRANSPOSED), all True for a block without one
+    (slot -1). rows / cols are positions in the sequence."""
+    slot = tl.load(slot_ptr)
+    # slot -1 reads bitmap 0 (always there) and keeps everything: no masked load
+    base = bits + tl.maximum(slot, 0).to(tl.int64) * (USER_BQ * USER_BK)
+    if TRANSPOSED:
+        tile = tl.load(base + (rows % USER_BQ)[None, :] * USER_BK + (cols % USER_BK)[:, None])
+    else:
+        tile = tl.load(base + (rows % USER_BQ)[:, None] * USER_BK + (cols % USER_BK)[None, :])
+    return (tile != 0) | (slot < 0)
+
+
+@triton.jit
 def row_key_end(row_lens, rows, seqlen_q, seqlen_k, HAS_ROW_LENS: tl.constexpr):
     """[BM] end of the keys each row sees: min(its key length, Sk), or Sk. row_lens points at
     this sequence's first row."""

@@ -6,11 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
+from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, visible_elements)
 from .configs import forward_config, padded_head_dim
 from .elementwise import Elementwise
-from .schedule import KernelArgs, TileLists
+from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_shape, lse_strides, packed_operands,
                         row_lens_operands, row_strides)
 
@@ -22,16 +22,19 @@ def _fwd_tiles(
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, key_end, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
+    bit_slots, stride_sk, block_bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
     mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias;
-    key_end [BM] is where each row's keys end (PARTIAL tiles only)."""
+    key_end [BM] is where each row's keys end (PARTIAL tiles only); bit_slots points at the
+    block-bitmap slots of this query tile's user block row (HAS_BITS)."""
     local_m = tl.arange(0, offs_m.shape[0])
     for i in range(num_tiles):
         if FROM_LIST:
@@ -59,6 +62,10 @@ def _fwd_tiles(
                                       offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
                                       MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N)
                 visible = visible & (keep != 0)
+            if HAS_BITS:
+                visible = visible & block_bits_keep(
+                    bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
+                    USER_BQ, USER_BK, False)
             s = tl.where(visible, s, float("-inf"))
         elif not EVEN_N:
             # a FULL tile of an explicit schedule may still run past Sk
@@ -93,6 +100,7 @@ def _fwd_kernel(
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
+    BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,6 +109,7 @@ def _fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
@@ -143,6 +152,7 @@ def _fwd_kernel(
     v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
     key_end = row_key_end(RowLens + off_b.to(tl.int64) * stride_rlb + first_q, offs_m, seqlen_q,
                           seqlen_k, HAS_ROW_LENS)  # [BM]
+    bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
 
     q = load_rows(q_base + local_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
                   offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
@@ -169,9 +179,11 @@ def _fwd_kernel(
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
             seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
-            dropout_p, EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            dropout_p, bit_slots, stride_sk, BlockBits,
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-            BIAS_COLS_SHARED, DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+            BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            DOT_PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
@@ -196,16 +208,18 @@ def _fwd_kernel(
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                      schedule: TileLists | None = None, mask: Elementwise | None = None,
+                      schedule: TileLists | None = None, bits: BlockBits | None = None,
+                      mask: Elementwise | None = None,
                       bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
                       packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
                       out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
     packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
-    `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask
-    and the per-row key lengths row_lens (int32 (B, Sq) or packed (total_q,)) are applied in its
-    PARTIAL tiles, the bias in every visited tile. dropout: (p, seed) of the Philox stream.
+    `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
+    the block mask's element bitmaps `bits` and the per-row key lengths row_lens (int32 (B, Sq)
+    or packed (total_q,)) are applied in its PARTIAL tiles, the bias in every visited tile.
+    dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
@@ -236,6 +250,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         *(mask.operands() if mask is not None else unused),
         *(bias.operands() if bias is not None else unused),
         *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
+        *(bits.operands(batch, num_heads) if bits is not None
+          else BlockBits.placeholder_operands(q.device)),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_left, args.window_right,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
@@ -249,6 +265,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         EXPLICIT=schedule is not None,
         EVEN_M=packed is None and seqlen_q % block_m == 0,
         EVEN_N=packed is None and seqlen_k % block_n == 0,
+        HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
+        USER_BK=bits.block_k if bits is not None else 1,
         REVERSE_M=schedule is None and args.has_right and not args.has_left,
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,

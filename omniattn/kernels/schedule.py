@@ -53,30 +53,36 @@ class RelativePredicate:
         return self.left < 0 and self.right < 0
 
     def classify(self, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                 device=None) -> torch.Tensor:
+                 device=None, lengths: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         """int8 (n_q_blocks, n_k_blocks): HIDDEN / PARTIAL / FULL of each block under this
-        predicate, blocks clipped to (Sq, Sk). O(blocks) work and memory."""
+        predicate, blocks clipped to (Sq, Sk). O(blocks) work and memory. With `lengths`, the
+        (B,) query and key lengths of packed sequences (Sq, Sk their maxima): (B, n_q_blocks,
+        n_k_blocks), each sequence on its own diagonal, blocks past its end HIDDEN."""
         n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-        first_q = torch.arange(n_m, device=device) * block_m
-        last_q = torch.clamp(first_q + block_m, max=seqlen_q) - 1
-        first_k = torch.arange(n_n, device=device) * block_n
-        last_k = torch.clamp(first_k + block_n, max=seqlen_k) - 1
-        offset = seqlen_k - seqlen_q
-        # extreme offsets from the diagonal inside each block: [n_m, n_n]
-        rel_min = first_k[None, :] - last_q[:, None] - offset
-        rel_max = last_k[None, :] - first_q[:, None] - offset
-        full = torch.ones(n_m, n_n, dtype=torch.bool, device=device)
-        hidden = torch.zeros(n_m, n_n, dtype=torch.bool, device=device)
+        first_q = (torch.arange(n_m, device=device) * block_m)[None, :, None]
+        first_k = (torch.arange(n_n, device=device) * block_n)[None, None, :]
+        if lengths is None:
+            len_q = torch.full((1, 1, 1), seqlen_q, device=device)
+            len_k = torch.full((1, 1, 1), seqlen_k, device=device)
+        else:
+            len_q, len_k = (n.to(device).long().view(-1, 1, 1) for n in lengths)
+        last_q = torch.minimum(first_q + block_m, len_q) - 1
+        last_k = torch.minimum(first_k + block_n, len_k) - 1
+        offset = len_k - len_q
+        # extreme offsets from the diagonal inside each block: [B|1, n_m, n_n]
+        rel_min = first_k - last_q - offset
+        rel_max = last_k - first_q - offset
+        full = torch.ones_like(rel_min, dtype=torch.bool)
+        hidden = (first_q >= len_q) | (first_k >= len_k)
         if self.right >= 0:
             full &= rel_max <= self.right
             hidden |= rel_min > self.right
         if self.left >= 0:
             full &= rel_min >= -self.left
             hidden |= rel_max < -self.left
-        state = torch.full((n_m, n_n), PARTIAL, dtype=torch.int8, device=device)
-        state[full] = FULL
-        state[hidden] = HIDDEN
-        return state
+        state = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+        return state if lengths is not None else state[0]
 
 
 @dataclass(frozen=True)
@@ -218,21 +224,47 @@ class TileLists:
         return (dummy, dummy, dummy, dummy) + (0,) * 12
 
 
+@dataclass(frozen=True)
+class BlockBits:
+    """Element bitmaps of a block mask's PARTIAL blocks, ANDed into the predicate of PARTIAL
+    tiles: bits uint8 (n_slots, block_q, block_k), nonzero = visible; slots int32
+    (B|1, H|1, n_q_blocks, n_k_blocks), the bitmap of each user block (-1: none, all visible).
+    Every kernel tile lies inside one user block, so a tile reads one slot."""
+
+    bits: torch.Tensor
+    slots: torch.Tensor
+    block_q: int
+    block_k: int
+
+    def operands(self, batch: int, heads: int) -> tuple:
+        """Kernel operands: slots, its (b, h, q block, k block) strides (broadcasts 0), bits."""
+        slots = self.slots.expand(batch, heads, *self.slots.shape[2:])
+        return (slots, *slots.stride(), self.bits)
+
+    @staticmethod
+    def placeholder_operands(device: torch.device) -> tuple:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy, 0, 0, 0, 0, dummy.to(torch.uint8))
+
+
 @dataclass
 class Schedule:
     """Explicit schedule for one attention call: the lists each pass walks, at its own tiles.
 
     forward: key tiles per query tile at the forward tile; dq: the same at the dQ tile
     (block_m2, block_n2); dkdv: query tiles per key tile at the dK/dV tile (block_m1, block_n1).
+    bits: element bitmaps of the block mask's PARTIAL blocks, if it has any.
     """
 
     forward: TileLists
     dq: TileLists
     dkdv: TileLists
+    bits: BlockBits | None = None
 
     @staticmethod
     def build(states_at, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
-              dkdv_tile: tuple[int, int], num_heads: int) -> "Schedule":
+              dkdv_tile: tuple[int, int], num_heads: int,
+              bits: BlockBits | None = None) -> "Schedule":
         """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs in
         {1, Hk, H}; states of one tile size are computed once even if two passes share it."""
         cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -247,7 +279,8 @@ class Schedule:
 
         return Schedule(TileLists.from_states(states(forward_tile), *forward_tile),
                         TileLists.from_states(states(dq_tile), *dq_tile),
-                        TileLists.from_states(states(dkdv_tile), *dkdv_tile, transposed=True))
+                        TileLists.from_states(states(dkdv_tile), *dkdv_tile, transposed=True),
+                        bits)
 
     @staticmethod
     def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
@@ -264,19 +297,23 @@ class Schedule:
         def launch(lists: TileLists, config: tuple[int, int]) -> TileLists:
             return dataclasses.replace(lists, num_warps=config[0], num_stages=config[1])
         return Schedule(launch(self.forward, forward), launch(self.dq, backward),
-                        launch(self.dkdv, backward))
+                        launch(self.dkdv, backward), self.bits)
 
     def tensors(self) -> list[torch.Tensor]:
-        return self.forward.tensors() + self.dq.tensors() + self.dkdv.tensors()
+        bits = [self.bits.bits, self.bits.slots] if self.bits is not None else []
+        return self.forward.tensors() + self.dq.tensors() + self.dkdv.tensors() + bits
 
     def tiles(self) -> list[int]:
-        """(block_m, block_n, num_warps, num_stages) of each pass, flattened."""
+        """(block_m, block_n, num_warps, num_stages) of each pass, flattened; then the user
+        block of the bitmaps, if any."""
+        bits = [self.bits.block_q, self.bits.block_k] if self.bits is not None else []
         return [n for lists in (self.forward, self.dq, self.dkdv)
-                for n in (lists.block_m, lists.block_n, lists.num_warps, lists.num_stages)]
+                for n in (lists.block_m, lists.block_n, lists.num_warps, lists.num_stages)] + bits
 
     @staticmethod
     def from_parts(tensors: list[torch.Tensor], tiles: list[int]) -> "Schedule":
         """Inverse of (tensors(), tiles()): how a schedule crosses the custom-op boundary."""
         parts = [TileLists(*tiles[4 * i: 4 * i + 2], *tensors[4 * i: 4 * i + 4],
                            *tiles[4 * i + 2: 4 * i + 4]) for i in range(3)]
-        return Schedule(*parts)
+        bits = BlockBits(*tensors[12:14], *tiles[12:14]) if len(tensors) > 12 else None
+        return Schedule(*parts, bits)

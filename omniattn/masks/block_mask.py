@@ -5,8 +5,10 @@ Blocks are (BQ, BK) = `block_size`, any multiples of 16, independent of the kern
 kernels run it through `kernel_states`, which maps user blocks onto kernel tiles.
 A block is FULL (every element visible, no predicate: FlexAttention's semantics), PARTIAL (the
 predicate decides each element) or absent (hidden, never loaded). The predicate is relative to the
-bottom-right aligned diagonal, like `attention`'s own: `causal` and/or `window=(left, right)`.
-`attention(causal=, window=)` ANDs its own predicate with all of it.
+bottom-right aligned diagonal, like `attention`'s own: `causal` and/or `window=(left, right)`,
+ANDed with an optional element bitmap per PARTIAL block (`element_bits`, what the predicate and
+document / prefix / streaming builders produce). `attention(causal=, window=)` ANDs its own
+predicate with all of it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from functools import cached_property
 
 import torch
 
-from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, RelativePredicate, Schedule,
+from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, BlockBits, RelativePredicate, Schedule,
                                 blocks_from_lists, lists_from_blocks, transposed_lists)
 
 
@@ -24,7 +26,10 @@ class BlockMask:
     kv_num_blocks (B|1, H|1, n_q_blocks) int32 and kv_indices (B|1, H|1, n_q_blocks, C) int32 list
     the PARTIAL key blocks of each query block; full_kv_num_blocks / full_kv_indices the FULL ones
     (FlexAttention's fields). `block_size` = (BQ, BK), multiples of 16; `seq_lengths` = (Sq, Sk).
-    PARTIAL blocks apply `causal` / `window` (see the module docstring).
+    PARTIAL blocks apply `causal` / `window` (see the module docstring) and, where
+    `element_slots` (int32 (B|1, H|1, n_q_blocks, n_k_blocks)) names a slot s >= 0, the element
+    bitmap `element_bits[s]` (bool (n_slots, BQ, BK), True = visible; rows / keys past Sq / Sk
+    are ignored). Blocks may share a slot: builders store each distinct bitmap once.
     The transposed lists (q_num_blocks, q_indices, ...) are built once, on first use.
     """
 
@@ -33,7 +38,9 @@ class BlockMask:
                  full_kv_indices: torch.Tensor | None = None, *,
                  block_size: int | tuple[int, int] = 128,
                  seq_lengths: tuple[int, int] | None = None,
-                 causal: bool = False, window: tuple[int, int] | None = None):
+                 causal: bool = False, window: tuple[int, int] | None = None,
+                 element_bits: torch.Tensor | None = None,
+                 element_slots: torch.Tensor | None = None):
         block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
         for name, size in (("block_size[0]", block_q), ("block_size[1]", block_k)):
             if not isinstance(size, int) or size <= 0 or size % 16:
@@ -64,17 +71,49 @@ class BlockMask:
         self.seq_lengths = (int(seqlen_q), int(seqlen_k))
         self.predicate = RelativePredicate.make(causal, window)
         self._check_indices()
+        self.element_bits, self.element_slots = self._checked_bits(element_bits, element_slots)
         self._kernel_states: dict[tuple, torch.Tensor] = {}
         self._kernel_schedules: dict[tuple, Schedule] = {}
 
     @classmethod
     def from_states(cls, states: torch.Tensor, block_size, seq_lengths,
-                    causal: bool = False, window=None) -> "BlockMask":
+                    causal: bool = False, window=None, element_bits: torch.Tensor | None = None,
+                    element_slots: torch.Tensor | None = None) -> "BlockMask":
         """From an int8 (B|1, H|1, n_q_blocks, n_k_blocks) picture of HIDDEN/PARTIAL/FULL."""
         kv_num, kv_idx = lists_from_blocks(states == PARTIAL)
         full_num, full_idx = lists_from_blocks(states == FULL)
         return cls(kv_num, kv_idx, full_num, full_idx, block_size=block_size,
-                   seq_lengths=seq_lengths, causal=causal, window=window)
+                   seq_lengths=seq_lengths, causal=causal, window=window,
+                   element_bits=element_bits, element_slots=element_slots)
+
+    def _checked_bits(self, bits, slots):
+        if bits is None and slots is None:
+            return None, None
+        if bits is None or slots is None:
+            raise ValueError("element_bits and element_slots must be given together")
+        block_q, block_k = self.block_size
+        if not isinstance(bits, torch.Tensor) or bits.dim() != 3 or bits.shape[1:] != (
+                block_q, block_k) or bits.shape[0] == 0:
+            got = tuple(bits.shape) if isinstance(bits, torch.Tensor) else type(bits).__name__
+            raise ValueError(f"element_bits must be (n_slots >= 1, {block_q}, {block_k}), got {got}")
+        expected = (*self.kv_num_blocks.shape[:2], *self.n_blocks)
+        if not isinstance(slots, torch.Tensor) or tuple(slots.shape) != expected:
+            got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+            raise ValueError(f"element_slots must be {expected} (the lists' batch/head dims and "
+                             f"the block grid), got {got}")
+        if ((slots < -1) | (slots >= bits.shape[0])).any():
+            raise ValueError(f"element_slots must lie in [-1, {bits.shape[0]}) (-1: no bitmap)")
+        # only PARTIAL blocks apply a bitmap: a FULL block cut by outer terms must not read one
+        slots = torch.where(self.states == PARTIAL, slots.to(self.states.device), -1)
+        return bits.to(torch.bool).contiguous(), slots.to(torch.int32).contiguous()
+
+    @property
+    def kernel_bits(self) -> BlockBits | None:
+        """The element bitmaps as the kernels read them (None when there are none)."""
+        if self.element_bits is None:
+            return None
+        return BlockBits(self.element_bits.view(torch.uint8), self.element_slots,
+                         *self.block_size)
 
     @property
     def n_blocks(self) -> tuple[int, int]:
@@ -100,6 +139,11 @@ class BlockMask:
         states = self.states
         states = states[min(batch, states.shape[0] - 1), min(head, states.shape[1] - 1)]
         return "\n".join("".join(".+#"[s] for s in row.tolist()) for row in states)
+
+    @cached_property
+    def has_partial_blocks(self) -> bool:
+        """Whether any block is PARTIAL (what decides the kernels' tile shapes)."""
+        return bool(self.kv_num_blocks.any())
 
     @property
     def density(self) -> float:
@@ -133,23 +177,66 @@ class BlockMask:
                 raise ValueError(f"{name} lists a key block outside [0, {n_k}) for "
                                  f"Sk = {self.seq_lengths[1]} and block size {self.block_size[1]}")
 
-    def element_states(self, q_idx: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-        """int8 (B|1, H|1, len(q_idx), Sk) block state of each element of rows q_idx: what the
-        reference needs, one chunk of rows at a time (never all Sq x Sk)."""
+    def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+        """Bool (B|1, H|1, len(q_idx), Sk): which keys rows q_idx see under this mask (FULL
+        blocks, and PARTIAL blocks where the predicate and the bitmap hold). What the reference
+        needs, one chunk of rows at a time (never all Sq x Sk)."""
         block_q, block_k = self.block_size
-        states = self.states[:, :, q_idx // block_q]
-        return states[..., torch.arange(seqlen_k, device=states.device) // block_k]
+        q_idx = q_idx.to(self.kv_indices.device)
+        k_idx = torch.arange(seqlen_k, device=q_idx.device)
+        states = self.states[:, :, q_idx // block_q][..., k_idx // block_k]
+        keep = states == PARTIAL
+        by_predicate = self.predicate.visible(q_idx, seqlen_q, seqlen_k)
+        if by_predicate is not None:
+            keep &= by_predicate
+        if self.element_bits is not None:
+            slots = self.element_slots[:, :, q_idx // block_q][..., k_idx // block_k].long()
+            bits = self.element_bits[slots.clamp(min=0), (q_idx % block_q)[:, None],
+                                     (k_idx % block_k)[None, :]]
+            keep &= (slots < 0) | bits
+        return (states == FULL) | keep
+
+    def sequence(self, batch: int, seqlen_q: int, seqlen_k: int) -> "BlockMask":
+        """The mask of packed sequence `batch` on its own lengths (its first blocks): how the
+        reference applies a varlen block mask one sequence at a time."""
+        n_q, n_k = -(-seqlen_q // self.block_size[0]), -(-seqlen_k // self.block_size[1])
+        b = min(batch, self.kv_num_blocks.shape[0] - 1)
+        states = self.states[b:b + 1, :, :n_q, :n_k]
+        slots = None if self.element_slots is None else self.element_slots[b:b + 1, :, :n_q, :n_k]
+        left, right = self.predicate.left, self.predicate.right
+        return BlockMask.from_states(states, self.block_size, (seqlen_q, seqlen_k),
+                                     window=(left, right), element_bits=self.element_bits,
+                                     element_slots=slots)
+
+    def _bit_tile_states(self, block_m: int, block_n: int) -> torch.Tensor:
+        """int8 (B|1, H|1, n_q_tiles, n_k_tiles) states of the element bitmaps at kernel tiles
+        (block_m, block_n): FULL where a tile's bitmap is all True or its block has none."""
+        block_q, block_k = self.block_size
+        rows, cols = block_q // block_m, block_k // block_n
+        tiles = self.element_bits.view(-1, rows, block_m, cols, block_n)
+        every = tiles.all(4).all(2)
+        some = tiles.any(4).any(2)
+        per_slot = torch.where(every, FULL, torch.where(some, PARTIAL, HIDDEN)).to(torch.int8)
+        slots = self.element_slots.repeat_interleave(rows, 2).repeat_interleave(cols, 3).long()
+        tile_q = torch.arange(slots.shape[2], device=slots.device)[:, None] % rows
+        tile_k = torch.arange(slots.shape[3], device=slots.device)[None, :] % cols
+        by_bits = per_slot[slots.clamp(min=0), tile_q, tile_k]
+        return torch.where(slots < 0, FULL, by_bits).to(torch.int8)
 
     def kernel_states(self, block_m: int, block_n: int, predicate: RelativePredicate,
-                      element_states: torch.Tensor | None = None) -> torch.Tensor:
+                      element_states: torch.Tensor | None = None,
+                      lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """int8 (B|1, H|1, n_q_tiles, n_k_tiles) states at kernel tiles (block_m, block_n) that
         divide the user blocks, for attention's own `predicate` (and element-mask tile states,
         broadcastable) ANDed with this mask's. A tile is FULL when its user block is FULL and the
         outer terms hold on the whole tile, or its user block is PARTIAL and everything holds on
         it; HIDDEN when anything hides it; PARTIAL otherwise. Without element states the result
-        is cached: a mask reused across steps (and by the backward pass) is converted once."""
+        is cached: a mask reused across steps (and by the backward pass) is converted once.
+        lengths: (B,) query / key lengths of packed sequences, whose predicates are classified
+        on each sequence's own diagonal (not cached)."""
         key = (block_m, block_n, predicate)
-        if element_states is None and key in self._kernel_states:
+        cacheable = element_states is None and lengths is None
+        if cacheable and key in self._kernel_states:
             return self._kernel_states[key]
         block_q, block_k = self.block_size
         if block_q % block_m or block_k % block_n:
@@ -161,16 +248,23 @@ class BlockMask:
         user = user.repeat_interleave(block_k // block_n, dim=3)
         n_m, n_n = -(-self.seq_lengths[0] // block_m), -(-self.seq_lengths[1] // block_n)
         user = user[..., :n_m, :n_n]
-        outer = predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
-        merged = (predicate & self.predicate).classify(*self.seq_lengths, block_m, block_n,
-                                                       device=device)
+
+        def classify(pred: RelativePredicate) -> torch.Tensor:
+            state = pred.classify(*self.seq_lengths, block_m, block_n, device=device,
+                                  lengths=lengths)
+            return state if lengths is None else state[:, None]  # (B, 1, n_m, n_n)
+
+        outer = classify(predicate)
+        merged = classify(predicate & self.predicate)
+        if self.element_bits is not None:
+            merged = torch.minimum(merged, self._bit_tile_states(block_m, block_n)[..., :n_m, :n_n])
         if element_states is not None:
             outer = torch.minimum(outer, element_states)
             merged = torch.minimum(merged, element_states)
         # the kernels apply one predicate (the merged one) in PARTIAL tiles: a FULL block that
         # the outer terms cut must not be cut by the mask's own predicate as well
         if not self.predicate.unbounded:
-            own = self.predicate.classify(*self.seq_lengths, block_m, block_n, device=device)
+            own = classify(self.predicate)
             if ((user == FULL) & (outer == PARTIAL) & (own != FULL)).any():
                 raise NotImplementedError(
                     "this BlockMask has FULL blocks that its own causal/window predicate would "
@@ -179,7 +273,7 @@ class BlockMask:
                     "instead of passing both")
         state = torch.where(user == FULL, outer, torch.where(user == PARTIAL, merged, HIDDEN))
         state = state.to(torch.int8)
-        if element_states is None:
+        if cacheable:
             self._kernel_states[key] = state
         return state
 
@@ -192,12 +286,12 @@ class BlockMask:
         if key not in self._kernel_schedules:
             self._kernel_schedules[key] = Schedule.build(
                 lambda m, n: self.kernel_states(m, n, predicate), forward_tile, dq_tile,
-                dkdv_tile, num_heads)
+                dkdv_tile, num_heads, self.kernel_bits)
         return self._kernel_schedules[key]
 
     def to_flex(self):
         """torch.nn.attention.flex_attention.BlockMask with the same blocks. Its PARTIAL blocks
-        get a mask_mod implementing this mask's causal/window predicate."""
+        get a mask_mod implementing this mask's causal/window predicate and element bitmaps."""
         from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
         seqlen_q, seqlen_k = self.seq_lengths
@@ -209,9 +303,19 @@ class BlockMask:
         upper = right if right >= 0 else unreachable
         lower = -left if left >= 0 else -unreachable
 
+        bits, slots = self.element_bits, self.element_slots
+        block_q, block_k = self.block_size
+
         def mask_mod(b, h, q_idx, kv_idx):
             rel = kv_idx - q_idx - offset
-            return (rel <= upper) & (rel >= lower)
+            keep = (rel <= upper) & (rel >= lower)
+            if bits is None:
+                return keep
+            # a broadcast batch / head dim of the slots is read at index 0
+            slot = slots[b * (slots.shape[0] > 1), h * (slots.shape[1] > 1), q_idx // block_q,
+                         kv_idx // block_k]
+            return keep & ((slot < 0) | bits[slot.clamp(min=0), q_idx % block_q,
+                                             kv_idx % block_k])
 
         return FlexBlockMask.from_kv_blocks(
             self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,

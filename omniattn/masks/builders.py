@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_mask import FULL, BlockMask, RelativePredicate
+from .block_mask import FULL, HIDDEN, PARTIAL, BlockMask, RelativePredicate
 
 
 def _relative_block_mask(seqlen_q, seqlen_k, block_size, causal, window, device) -> BlockMask:
@@ -42,3 +42,185 @@ def block_mask_from_blocks(blocks: torch.Tensor, block_size: int | tuple[int, in
         seq_lengths = (blocks.shape[2] * block_q, blocks.shape[3] * block_k)
     states = blocks.to(torch.int8) * FULL
     return BlockMask.from_states(states, (block_q, block_k), seq_lengths)
+
+
+def _pair(block_size) -> tuple[int, int]:
+    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+
+
+def _evaluate_blocks(mask_mod, blocks: torch.Tensor, block_q: int, block_k: int, seqlen_q: int,
+                     seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mask_mod on the elements of blocks (n, 4) = (b, h, q block, k block): (n, BQ, BK) values,
+    and per block whether every / some element inside (Sq, Sk) is visible. Indices past the
+    sequences are clamped for the call and ignored after it."""
+    b, h, q_block, k_block = (blocks[:, i, None, None] for i in range(4))
+    q_idx = q_block * block_q + torch.arange(block_q, device=blocks.device)[:, None]
+    kv_idx = k_block * block_k + torch.arange(block_k, device=blocks.device)[None, :]
+    inside = (q_idx < seqlen_q) & (kv_idx < seqlen_k)  # (n, BQ, BK)
+    values = mask_mod(b, h, q_idx.clamp(max=seqlen_q - 1), kv_idx.clamp(max=seqlen_k - 1))
+    values = torch.as_tensor(values, device=blocks.device).to(torch.bool).expand(inside.shape)
+    return values, (values | ~inside).flatten(1).all(1), (values & inside).flatten(1).any(1)
+
+
+def _distinct_bitmaps(bitmaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool (n, BQ, BK) -> (distinct bitmaps (m, BQ, BK), index of each input among them)."""
+    flat = bitmaps.flatten(1)
+    flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 64)).view(flat.shape[0], -1, 64)
+    # 64 bits per int64 word: the rows to compare are 64x shorter (the top bit wraps, harmlessly)
+    words = (flat.long() << torch.arange(64, device=flat.device)).sum(-1)
+    _, inverse = torch.unique(words, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device,
+                       dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(flat.shape[0], device=flat.device), "amin")
+    return bitmaps[first], inverse
+
+
+def block_mask_from_predicate(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                              block_size: int | tuple[int, int] = 128, device=None,
+                              block_states: torch.Tensor | None = None,
+                              chunk_elements: int = 1 << 26) -> BlockMask:
+    """BlockMask of an element predicate, like FlexAttention's create_block_mask.
+
+    mask_mod(b, h, q_idx, kv_idx) takes broadcastable int64 tensors and returns a bool tensor
+    (True = visible). batch / heads may be 1 to share the mask over that dim (mask_mod then sees
+    index 0). Each block becomes FULL (all visible), hidden (none) or PARTIAL with an element
+    bitmap; identical bitmaps are stored once. Work is done in chunks of at most
+    `chunk_elements` elements: memory is O(blocks + distinct bitmaps), never O(Sq x Sk).
+    block_states: optional int8 (B|1, H|1, n_q_blocks, n_k_blocks) HIDDEN/PARTIAL/FULL picture
+    that is exact on its FULL and hidden blocks; mask_mod is then evaluated only inside its
+    PARTIAL blocks (O(partial blocks x block area) instead of O(B x H x Sq x Sk) work)."""
+    block_q, block_k = _pair(block_size)
+    n_q, n_k = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    if block_states is None:
+        states = torch.full((batch, heads, n_q, n_k), PARTIAL, dtype=torch.int8, device=device)
+    else:
+        states = block_states.to(device=device, dtype=torch.int8).expand(
+            batch, heads, n_q, n_k).clone()
+    candidates = (states == PARTIAL).nonzero()  # (n, 4): b, h, q block, k block
+    blocks_per_chunk = max(1, chunk_elements // (block_q * block_k))
+    bitmaps, owners = [], []
+    for start in range(0, candidates.shape[0], blocks_per_chunk):
+        blocks = candidates[start:start + blocks_per_chunk]
+        values, every, some = _evaluate_blocks(mask_mod, blocks, block_q, block_k, seqlen_q,
+                                               seqlen_k)
+        b, h, q_block, k_block = blocks.unbind(1)
+        states[b, h, q_block, k_block] = torch.where(
+            every, FULL, torch.where(some, PARTIAL, HIDDEN)).to(torch.int8)
+        partial = some & ~every
+        if partial.any():
+            distinct, inverse = _distinct_bitmaps(values[partial])
+            bitmaps.append(distinct)
+            owners.append((blocks[partial], inverse))
+    if not bitmaps:
+        return BlockMask.from_states(states, (block_q, block_k), (seqlen_q, seqlen_k))
+    distinct, inverse = _distinct_bitmaps(torch.cat(bitmaps))
+    slots = torch.full(states.shape, -1, dtype=torch.int32, device=states.device)
+    offset = 0
+    for (blocks, chunk_inverse), chunk in zip(owners, bitmaps):
+        b, h, q_block, k_block = blocks.unbind(1)
+        slots[b, h, q_block, k_block] = inverse[offset + chunk_inverse].to(torch.int32)
+        offset += chunk.shape[0]
+    return BlockMask.from_states(states, (block_q, block_k), (seqlen_q, seqlen_k),
+                                 element_bits=distinct, element_slots=slots)
+
+
+def _key_prefix_states(n_q: int, seqlen_k: int, block_k: int, prefix: int, device) -> torch.Tensor:
+    """int8 (n_q, n_k) states of "key < prefix" (the same for every query block)."""
+    first_k = torch.arange(-(-seqlen_k // block_k), device=device) * block_k
+    last_k = torch.clamp(first_k + block_k, max=seqlen_k) - 1
+    state = torch.where(last_k < prefix, FULL, torch.where(first_k < prefix, PARTIAL, HIDDEN))
+    return state.to(torch.int8).expand(n_q, -1)
+
+
+def prefix_lm_block_mask(seqlen_q: int, seqlen_k: int, prefix_len: int,
+                         block_size: int | tuple[int, int] = 128, device=None) -> BlockMask:
+    """Prefix LM: key j visible to query i iff j < prefix_len (the bidirectional prefix) or
+    j <= i + Sk - Sq (bottom-right causal). Element-exact for any prefix_len."""
+    block_q, block_k = _pair(block_size)
+    causal = RelativePredicate.make(True).classify(seqlen_q, seqlen_k, block_q, block_k,
+                                                   device=device)
+    prefix = _key_prefix_states(causal.shape[0], seqlen_k, block_k, prefix_len, device)
+    offset = seqlen_k - seqlen_q
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_len) | (kv_idx <= q_idx + offset)
+
+    return block_mask_from_predicate(mask_mod, 1, 1, seqlen_q, seqlen_k, (block_q, block_k),
+                                     device, block_states=torch.maximum(causal, prefix))  # OR
+
+
+def document_block_mask(cu_seqlens: torch.Tensor, block_size: int | tuple[int, int] = 128,
+                        causal: bool = False) -> BlockMask:
+    """Documents packed in one sequence: query i sees key j iff both lie in the same document
+    [cu_seqlens[d], cu_seqlens[d + 1]) (and j <= i with causal). cu_seqlens: int (D + 1,) from 0
+    to the total length S, non-decreasing; the mask is (1, 1, S, S), on cu_seqlens' device.
+    Blocks inside one document are FULL, blocks across documents hidden, the rest PARTIAL."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor (documents + 1,) of offsets from 0")
+    block_q, block_k = _pair(block_size)
+    device = cu_seqlens.device
+    bounds = cu_seqlens.long()
+    total = int(bounds[-1])
+    if int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds.tolist()}")
+    document = torch.bucketize(torch.arange(total, device=device), bounds[1:], right=True)
+
+    def block_documents(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = torch.arange(0, total, block, device=device)
+        return document[first], document[torch.clamp(first + block, max=total) - 1]
+
+    q_first, q_last = block_documents(block_q)
+    k_first, k_last = block_documents(block_k)
+    hidden = (q_last[:, None] < k_first[None, :]) | (k_last[None, :] < q_first[:, None])
+    full = (q_first == q_last)[:, None] & (k_first == k_last)[None, :] \
+        & (q_first[:, None] == k_first[None, :])
+    states = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+    if causal:
+        states = torch.minimum(states, RelativePredicate.make(True).classify(
+            total, total, block_q, block_k, device=device))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = document[q_idx] == document[kv_idx]
+        return same & (kv_idx <= q_idx) if causal else same
+
+    return block_mask_from_predicate(mask_mod, 1, 1, total, total, (block_q, block_k), device,
+                                     block_states=states[None, None])
+
+
+def streaming_block_mask(seqlen_q: int, seqlen_k: int, sink: int, local: int,
+                         block_size: int | tuple[int, int] = 128, in_tokens: bool = False,
+                         device=None) -> BlockMask:
+    """Streaming (attention-sink) attention, causal (bottom-right aligned): each query sees the
+    first `sink` and the last `local` keys up to its diagonal.
+
+    in_tokens=False: sink / local count key blocks: query block r sees key blocks c < sink and
+    d - local < c <= d, with d the key block of the diagonal of r's last row, causal inside.
+    in_tokens=True: element-exact, key j visible to query i iff j <= i + Sk - Sq and
+    (j < sink or j > i + Sk - Sq - local)."""
+    if sink < 0 or local < 0:
+        raise ValueError(f"sink and local must be >= 0, got {sink} and {local}")
+    block_q, block_k = _pair(block_size)
+    causal = RelativePredicate.make(True).classify(seqlen_q, seqlen_k, block_q, block_k,
+                                                   device=device)
+    n_q, n_k = causal.shape
+    offset = seqlen_k - seqlen_q
+    if not in_tokens:
+        last_row = torch.clamp(torch.arange(1, n_q + 1, device=device) * block_q, max=seqlen_q) - 1
+        # floor division, also for a diagonal left of key 0 (then no local block)
+        diagonal = torch.div(last_row + offset, block_k, rounding_mode="floor")[:, None]
+        column = torch.arange(n_k, device=device)[None, :]
+        listed = (column < sink) | ((column > diagonal - local) & (column <= diagonal))
+        states = torch.minimum(torch.where(listed, FULL, HIDDEN).to(torch.int8), causal)
+        return BlockMask.from_states(states[None, None], (block_q, block_k),
+                                     (seqlen_q, seqlen_k), causal=True)
+    sinks = torch.minimum(_key_prefix_states(n_q, seqlen_k, block_k, sink, device), causal)
+    band = RelativePredicate(local - 1, 0).classify(seqlen_q, seqlen_k, block_q, block_k,
+                                                    device=device) if local > 0 \
+        else torch.zeros_like(causal)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        rel = kv_idx - q_idx - offset
+        return (rel <= 0) & ((kv_idx < sink) | (rel > -local))
+
+    return block_mask_from_predicate(mask_mod, 1, 1, seqlen_q, seqlen_k, (block_q, block_k),
+                                     device, block_states=torch.maximum(sinks, band)[None, None])
