@@ -193,16 +193,25 @@ def test_flex_attention_as_second_oracle(kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("builder", ["causal", "window"])
+@pytest.mark.parametrize("builder", ["causal", "window", "document", "streaming"])
 def test_128k_builders_stay_small(builder):
-    """Building a 128k-token mask takes O(blocks) memory: under 64 MB of GPU memory."""
+    """Building a 128k-token mask takes O(blocks) memory: under 64 MB of GPU memory (the
+    document mask has 24 documents of random lengths, its boundaries inside blocks)."""
+    bounds = torch.randint(1, 131072, (23,), generator=torch.Generator().manual_seed(0))
+    cu_seqlens = torch.cat([torch.tensor([0]), bounds.sort().values,
+                            torch.tensor([131072])]).cuda()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     if builder == "causal":
         mask = omniattn.causal_block_mask(131072, 131072, 128, device="cuda")
-    else:
+    elif builder == "window":
         mask = omniattn.window_block_mask(131072, 131072, (4096, 0), block_size=128, device="cuda")
+    elif builder == "document":
+        mask = omniattn.document_block_mask(cu_seqlens, 128, causal=True)
+    else:
+        mask = omniattn.streaming_block_mask(131072, 131072, 64, 4000, 128, in_tokens=True,
+                                             device="cuda")
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < 64 * 2 ** 20
     assert mask.n_blocks == (1024, 1024)
