@@ -64,28 +64,32 @@ def _evaluate_blocks(mask_mod, blocks: torch.Tensor, block_q: int, block_k: int,
 
 def _distinct_bitmaps(bitmaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool (n, BQ, BK) -> (distinct bitmaps (m, BQ, BK), index of each input among them)."""
-    flat = bitmaps.flatten(1)
-    flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 64)).view(flat.shape[0], -1, 64)
-    # 64 bits per int64 word: the rows to compare are 64x shorter (the top bit wraps, harmlessly)
-    words = (flat.long() << torch.arange(64, device=flat.device)).sum(-1)
+    count = bitmaps.shape[0]
+    flat = bitmaps.view(count, -1)
+    flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 64)).view(count, -1, 8)
+    # 8 bits per byte, 8 bytes per int64 word: rows to compare are 64x shorter, and no
+    # temporary is wider than the bitmaps themselves
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    packed = (flat.view(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+    words = packed.view(count, -1, 8).view(torch.int64).view(count, -1)
     _, inverse = torch.unique(words, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), flat.shape[0], device=flat.device,
-                       dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(flat.shape[0], device=flat.device), "amin")
+    first = torch.full((int(inverse.max()) + 1,), count, device=flat.device, dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(count, device=flat.device), "amin")
     return bitmaps[first], inverse
 
 
 def block_mask_from_predicate(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                               block_size: int | tuple[int, int] = 128, device=None,
                               block_states: torch.Tensor | None = None,
-                              chunk_elements: int = 1 << 26) -> BlockMask:
+                              chunk_elements: int = 1 << 22) -> BlockMask:
     """BlockMask of an element predicate, like FlexAttention's create_block_mask.
 
     mask_mod(b, h, q_idx, kv_idx) takes broadcastable int64 tensors and returns a bool tensor
     (True = visible). batch / heads may be 1 to share the mask over that dim (mask_mod then sees
     index 0). Each block becomes FULL (all visible), hidden (none) or PARTIAL with an element
     bitmap; identical bitmaps are stored once. Work is done in chunks of at most
-    `chunk_elements` elements: memory is O(blocks + distinct bitmaps), never O(Sq x Sk).
+    `chunk_elements` elements (mask_mod's int64 temporaries are 8 bytes each): memory is
+    O(blocks + distinct bitmaps), never O(Sq x Sk).
     block_states: optional int8 (B|1, H|1, n_q_blocks, n_k_blocks) HIDDEN/PARTIAL/FULL picture
     that is exact on its FULL and hidden blocks; mask_mod is then evaluated only inside its
     PARTIAL blocks (O(partial blocks x block area) instead of O(B x H x Sq x Sk) work)."""
