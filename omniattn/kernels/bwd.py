@@ -64,9 +64,13 @@ def _dkdv_tiles(
     the score gradient goes to dbias: stored per element, or summed over queries into
     dbias_keys [BN] when the bias has one row for every query."""
     local_n = tl.arange(0, offs_n.shape[0])
+    if FROM_LIST:
+        # the next index is loaded one iteration ahead: tile addresses never wait on it
+        next_tile = tl.load(tile_list)
     for i in range(num_tiles):
         if FROM_LIST:
-            tile_m = tl.load(tile_list + i)
+            tile_m = next_tile
+            next_tile = tl.load(tile_list + tl.minimum(i + 1, num_tiles - 1))
         else:
             tile_m = first_tile + i
         start_m = tile_m * BLOCK_M
@@ -152,9 +156,13 @@ def _dq_tiles(
     score gradient is summed over keys into dbias_rows [BM]; with DBIAS_TILES (a full bias, one
     head per query head) it is stored per element from dbias_tile_rows, contiguous along keys."""
     local_m = tl.arange(0, offs_m.shape[0])
+    if FROM_LIST:
+        # the next index is loaded one iteration ahead: tile addresses never wait on it
+        next_tile = tl.load(tile_list)
     for i in range(num_tiles):
         if FROM_LIST:
-            tile_n = tl.load(tile_list + i)
+            tile_n = next_tile
+            next_tile = tl.load(tile_list + tl.minimum(i + 1, num_tiles - 1))
         else:
             tile_n = first_tile + i
         start_n = tile_n * BLOCK_N

@@ -36,9 +36,13 @@ def _fwd_tiles(
     key_end [BM] is where each row's keys end (PARTIAL tiles only); bit_slots points at the
     block-bitmap slots of this query tile's user block row (HAS_BITS)."""
     local_m = tl.arange(0, offs_m.shape[0])
+    if FROM_LIST:
+        # the next index is loaded one iteration ahead: tile addresses never wait on it
+        next_tile = tl.load(tile_list)
     for i in range(num_tiles):
         if FROM_LIST:
-            tile_n = tl.load(tile_list + i)
+            tile_n = next_tile
+            next_tile = tl.load(tile_list + tl.minimum(i + 1, num_tiles - 1))
         else:
             tile_n = first_tile + i
         start_n = tile_n * BLOCK_N
