@@ -219,8 +219,11 @@ def test_bitmaps_through_flex_as_second_oracle():
     for name, mask, visible in bitmap_masks(1024, 128):
         q, k, v = random_qkv(1, 1024, 1024, 2, 2, 64, torch.bfloat16, requires_grad=False)
         ours = omniattn.attention(q, k, v, block_mask=mask)
-        flex = torch.compile(flex_attention)(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), block_mask=mask.to_flex())
+        # Flex's default tiles with a gathering mask_mod ask for more shared memory than an H100
+        # has (247,808 of 232,448 bytes)
+        flex = torch.compile(flex_attention)(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask.to_flex(),
+            kernel_options={"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2})
         seen = visible.expand(1, 2, 1024, 1024).any(-1).transpose(1, 2)[..., None]
         torch.testing.assert_close(torch.where(seen, ours, 0).float(),
                                    torch.where(seen, flex.transpose(1, 2), 0).float(),

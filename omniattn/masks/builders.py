@@ -51,30 +51,50 @@ def _pair(block_size) -> tuple[int, int]:
 def _evaluate_blocks(mask_mod, blocks: torch.Tensor, block_q: int, block_k: int, seqlen_q: int,
                      seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mask_mod on the elements of blocks (n, 4) = (b, h, q block, k block): (n, BQ, BK) values,
-    and per block whether every / some element inside (Sq, Sk) is visible. Indices past the
-    sequences are clamped for the call and ignored after it."""
-    b, h, q_block, k_block = (blocks[:, i, None, None] for i in range(4))
-    q_idx = q_block * block_q + torch.arange(block_q, device=blocks.device)[:, None]
-    kv_idx = k_block * block_k + torch.arange(block_k, device=blocks.device)[None, :]
+    and per block whether every / some element inside (Sq, Sk) is visible. Indices are int32
+    (half the bytes of mask_mod's temporaries); those past the sequences are clamped for the call
+    and ignored after it."""
+    b, h, q_block, k_block = (blocks[:, i, None, None].to(torch.int32) for i in range(4))
+    rows = torch.arange(block_q, device=blocks.device, dtype=torch.int32)[:, None]
+    cols = torch.arange(block_k, device=blocks.device, dtype=torch.int32)[None, :]
+    q_idx, kv_idx = q_block * block_q + rows, k_block * block_k + cols
     inside = (q_idx < seqlen_q) & (kv_idx < seqlen_k)  # (n, BQ, BK)
     values = mask_mod(b, h, q_idx.clamp(max=seqlen_q - 1), kv_idx.clamp(max=seqlen_k - 1))
     values = torch.as_tensor(values, device=blocks.device).to(torch.bool).expand(inside.shape)
     return values, (values | ~inside).flatten(1).all(1), (values & inside).flatten(1).any(1)
 
 
-def _distinct_bitmaps(bitmaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool (n, BQ, BK) -> (distinct bitmaps (m, BQ, BK), index of each input among them)."""
+def _packed_words(bitmaps: torch.Tensor) -> torch.Tensor:
+    """bool (n, BQ, BK) -> int64 (n, ceil(BQ * BK / 64)): 64 elements per word, and no
+    temporary wider than the bitmaps themselves."""
     count = bitmaps.shape[0]
-    flat = bitmaps.view(count, -1)
+    flat = bitmaps.reshape(count, -1)
     flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % 64)).view(count, -1, 8)
-    # 8 bits per byte, 8 bytes per int64 word: rows to compare are 64x shorter, and no
-    # temporary is wider than the bitmaps themselves
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
     packed = (flat.view(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
-    words = packed.view(count, -1, 8).view(torch.int64).view(count, -1)
-    _, inverse = torch.unique(words, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), count, device=flat.device, dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(count, device=flat.device), "amin")
+    return packed.view(count, -1, 8).view(torch.int64).view(count, -1)
+
+
+def _first_of_each(inverse: torch.Tensor) -> torch.Tensor:
+    """Index of the first input of each group of `inverse`."""
+    count = inverse.shape[0]
+    first = torch.full((int(inverse.max()) + 1,), count, device=inverse.device, dtype=torch.long)
+    return first.scatter_reduce_(0, inverse, torch.arange(count, device=inverse.device), "amin")
+
+
+def _distinct_bitmaps(bitmaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool (n, BQ, BK) -> (distinct bitmaps (m, BQ, BK), index of each input among them)."""
+    words = _packed_words(bitmaps)
+    # a multiply-add hash of the words groups the bitmaps with a 1-D unique (row-wise unique is
+    # far slower); the groups are verified word by word, and a collision falls back to it
+    multipliers = torch.randint(1, 2 ** 62, (words.shape[1],),
+                                generator=torch.Generator().manual_seed(0)) * 2 + 1
+    hashes = (words * multipliers.to(words.device)).sum(-1)  # wraps: fine for a hash
+    _, inverse = torch.unique(hashes, return_inverse=True)
+    first = _first_of_each(inverse)
+    if not torch.equal(words, words[first][inverse]):
+        _, inverse = torch.unique(words, dim=0, return_inverse=True)
+        first = _first_of_each(inverse)
     return bitmaps[first], inverse
 
 
@@ -84,12 +104,11 @@ def block_mask_from_predicate(mask_mod, batch: int, heads: int, seqlen_q: int, s
                               chunk_elements: int = 1 << 22) -> BlockMask:
     """BlockMask of an element predicate, like FlexAttention's create_block_mask.
 
-    mask_mod(b, h, q_idx, kv_idx) takes broadcastable int64 tensors and returns a bool tensor
+    mask_mod(b, h, q_idx, kv_idx) takes broadcastable int32 tensors and returns a bool tensor
     (True = visible). batch / heads may be 1 to share the mask over that dim (mask_mod then sees
     index 0). Each block becomes FULL (all visible), hidden (none) or PARTIAL with an element
     bitmap; identical bitmaps are stored once. Work is done in chunks of at most
-    `chunk_elements` elements (mask_mod's int64 temporaries are 8 bytes each): memory is
-    O(blocks + distinct bitmaps), never O(Sq x Sk).
+    `chunk_elements` elements: memory is O(blocks + distinct bitmaps), never O(Sq x Sk).
     block_states: optional int8 (B|1, H|1, n_q_blocks, n_k_blocks) HIDDEN/PARTIAL/FULL picture
     that is exact on its FULL and hidden blocks; mask_mod is then evaluated only inside its
     PARTIAL blocks (O(partial blocks x block area) instead of O(B x H x Sq x Sk) work)."""
