@@ -17,6 +17,7 @@ from .reference import attention_reference
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8, *SUPPORTED_DTYPES)
 MAX_HEAD_DIM = 256
+SMALLEST_MASK_TILE = 64  # the bf16/fp16 tiles of masked schedules (configs.py) are 64 or 128
 
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
@@ -208,6 +209,12 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     min/max per tile) are computed once, at the finest tile any pass uses, and ANDed."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
     _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    if block_mask is not None:
+        # blocks smaller than the kernels' tiles would shrink the tiles: such masks run at
+        # coarser blocks whose bitmaps carry the sub-block picture (converted once, cached)
+        coarse = tuple(math.lcm(size, SMALLEST_MASK_TILE) for size in block_mask.block_size)
+        if coarse != block_mask.block_size and not interpreting():
+            block_mask = block_mask.coarsened(*coarse)
     elementwise = attn_mask is not None or attn_bias is not None
     full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
     # per-row lengths alone, or a block mask without PARTIAL blocks, leave most visited tiles

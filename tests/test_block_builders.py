@@ -228,3 +228,35 @@ def test_bitmaps_through_flex_as_second_oracle():
         torch.testing.assert_close(torch.where(seen, ours, 0).float(),
                                    torch.where(seen, flex.transpose(1, 2), 0).float(),
                                    atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["window", "random"])
+def test_coarsened_mask_keeps_every_element(kind):
+    """Small user blocks at coarser blocks (what kernel tiles larger than the blocks run): the
+    sub-block picture and the predicate move into bitmaps; the same elements stay visible."""
+    seqlen_q, seqlen_k = 90, 75
+    q_idx = torch.arange(seqlen_q, device=DEVICE)[:, None]
+    kv_idx = torch.arange(seqlen_k, device=DEVICE)[None, :]
+    if kind == "window":
+        mask = omniattn.window_block_mask(seqlen_q, seqlen_k, (20, 7), block_size=16,
+                                          device=DEVICE)
+        rel = kv_idx - q_idx - (seqlen_k - seqlen_q)
+        expected = ((rel <= 7) & (rel >= -20))[None, None]
+        coarse_size = (32, 32)
+    else:
+        generator = torch.Generator().manual_seed(3)
+        blocks = (torch.rand(1, 2, 6, 3, generator=generator) < 0.5).to(DEVICE)
+        mask = omniattn.block_mask_from_blocks(blocks, (16, 32), seq_lengths=(seqlen_q, seqlen_k))
+        expected = blocks[:, :, q_idx // 16, kv_idx // 32]
+        coarse_size = (48, 64)
+    coarse = mask.coarsened(*coarse_size)
+    assert coarse.block_size == coarse_size and coarse.predicate.unbounded
+    assert mask.coarsened(*coarse_size) is coarse
+    assert_exact(coarse, expected)
+    torch.manual_seed(0)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 16, torch.float16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, block_mask=coarse, causal=True, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout,
+                            attn_mask=expected & (kv_idx <= q_idx + seqlen_k - seqlen_q))

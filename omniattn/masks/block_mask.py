@@ -17,7 +17,8 @@ from functools import cached_property
 import torch
 
 from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, BlockBits, RelativePredicate, Schedule,
-                                blocks_from_lists, lists_from_blocks, transposed_lists)
+                                blocks_from_lists, coarsen_states, lists_from_blocks,
+                                transposed_lists)
 
 
 class BlockMask:
@@ -74,6 +75,7 @@ class BlockMask:
         self.element_bits, self.element_slots = self._checked_bits(element_bits, element_slots)
         self._kernel_states: dict[tuple, torch.Tensor] = {}
         self._kernel_schedules: dict[tuple, Schedule] = {}
+        self._coarsened: dict[tuple[int, int], BlockMask] = {}
 
     @classmethod
     def from_states(cls, states: torch.Tensor, block_size, seq_lengths,
@@ -177,24 +179,60 @@ class BlockMask:
                 raise ValueError(f"{name} lists a key block outside [0, {n_k}) for "
                                  f"Sk = {self.seq_lengths[1]} and block size {self.block_size[1]}")
 
-    def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-        """Bool (B|1, H|1, len(q_idx), Sk): which keys rows q_idx see under this mask (FULL
-        blocks, and PARTIAL blocks where the predicate and the bitmap hold). What the reference
-        needs, one chunk of rows at a time (never all Sq x Sk)."""
+    def _partial_keep(self, b, h, q_idx, kv_idx) -> torch.Tensor:
+        """What a PARTIAL block shows at these elements: the predicate AND its bitmap.
+        Broadcastable int tensors; b / h are read at 0 where this mask broadcasts them."""
+        seqlen_q, seqlen_k = self.seq_lengths
+        rel = kv_idx - q_idx - (seqlen_k - seqlen_q)
+        keep = torch.ones_like(rel, dtype=torch.bool)
+        if self.predicate.right >= 0:
+            keep = keep & (rel <= self.predicate.right)
+        if self.predicate.left >= 0:
+            keep = keep & (rel >= -self.predicate.left)
+        if self.element_bits is None:
+            return keep
         block_q, block_k = self.block_size
-        q_idx = q_idx.to(self.kv_indices.device)
-        k_idx = torch.arange(seqlen_k, device=q_idx.device)
-        states = self.states[:, :, q_idx // block_q][..., k_idx // block_k]
-        keep = states == PARTIAL
-        by_predicate = self.predicate.visible(q_idx, seqlen_q, seqlen_k)
-        if by_predicate is not None:
-            keep &= by_predicate
-        if self.element_bits is not None:
-            slots = self.element_slots[:, :, q_idx // block_q][..., k_idx // block_k].long()
-            bits = self.element_bits[slots.clamp(min=0), (q_idx % block_q)[:, None],
-                                     (k_idx % block_k)[None, :]]
-            keep &= (slots < 0) | bits
-        return (states == FULL) | keep
+        slots = self.element_slots
+        slot = slots[b * (slots.shape[0] > 1), h * (slots.shape[1] > 1), q_idx // block_q,
+                     kv_idx // block_k]
+        bits = self.element_bits[slot.clamp(min=0), q_idx % block_q, kv_idx % block_k]
+        return keep & ((slot < 0) | bits)
+
+    def mask_mod(self, b, h, q_idx, kv_idx) -> torch.Tensor:
+        """Element visibility as a FlexAttention-style mask_mod (broadcastable int tensors):
+        FULL blocks, and PARTIAL blocks where the predicate and the bitmap hold."""
+        block_q, block_k = self.block_size
+        states = self.states
+        state = states[b * (states.shape[0] > 1), h * (states.shape[1] > 1), q_idx // block_q,
+                       kv_idx // block_k]
+        return (state == FULL) | ((state == PARTIAL) & self._partial_keep(b, h, q_idx, kv_idx))
+
+    def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+        """Bool (B|1, H|1, len(q_idx), Sk): which keys rows q_idx see under this mask. What the
+        reference needs, one chunk of rows at a time (never all Sq x Sk)."""
+        device = self.kv_indices.device
+        batch, heads = self.kv_num_blocks.shape[:2]
+        return self.mask_mod(torch.arange(batch, device=device)[:, None, None, None],
+                             torch.arange(heads, device=device)[None, :, None, None],
+                             q_idx.to(device)[:, None], torch.arange(seqlen_k, device=device))
+
+    def coarsened(self, block_q: int, block_k: int) -> "BlockMask":
+        """This mask at blocks (block_q, block_k), multiples of its own: a block mixing visible
+        and hidden elements becomes PARTIAL with an element bitmap of what it shows (sub-blocks,
+        predicate and bitmaps baked in). How kernel tiles larger than the user blocks get a
+        block-granular predicate. Cached."""
+        key = (block_q, block_k)
+        if key not in self._coarsened:
+            from .builders import block_mask_from_predicate
+
+            rows, cols = block_q // self.block_size[0], block_k // self.block_size[1]
+            # exact where every sub-block is FULL or every one hidden; the rest is evaluated
+            hint = coarsen_states(torch.where(self.states == FULL, FULL, torch.where(
+                self.states == HIDDEN, HIDDEN, PARTIAL)).to(torch.int8), rows, cols)
+            self._coarsened[key] = block_mask_from_predicate(
+                self.mask_mod, *self.kv_num_blocks.shape[:2], *self.seq_lengths, key,
+                self.kv_indices.device, block_states=hint)
+        return self._coarsened[key]
 
     def sequence(self, batch: int, seqlen_q: int, seqlen_k: int) -> "BlockMask":
         """The mask of packed sequence `batch` on its own lengths (its first blocks): how the
@@ -294,32 +332,9 @@ class BlockMask:
         get a mask_mod implementing this mask's causal/window predicate and element bitmaps."""
         from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
 
-        seqlen_q, seqlen_k = self.seq_lengths
-        left, right = self.predicate.left, self.predicate.right
-        offset = seqlen_k - seqlen_q
-
-        # an unbounded side becomes a bound no (query, key) pair can reach
-        unreachable = seqlen_q + seqlen_k
-        upper = right if right >= 0 else unreachable
-        lower = -left if left >= 0 else -unreachable
-
-        bits, slots = self.element_bits, self.element_slots
-        block_q, block_k = self.block_size
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            rel = kv_idx - q_idx - offset
-            keep = (rel <= upper) & (rel >= lower)
-            if bits is None:
-                return keep
-            # a broadcast batch / head dim of the slots is read at index 0
-            slot = slots[b * (slots.shape[0] > 1), h * (slots.shape[1] > 1), q_idx // block_q,
-                         kv_idx // block_k]
-            return keep & ((slot < 0) | bits[slot.clamp(min=0), q_idx % block_q,
-                                             kv_idx % block_k])
-
         return FlexBlockMask.from_kv_blocks(
             self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
-            BLOCK_SIZE=self.block_size, mask_mod=mask_mod, seq_lengths=self.seq_lengths)
+            BLOCK_SIZE=self.block_size, mask_mod=self._partial_keep, seq_lengths=self.seq_lengths)
 
     @classmethod
     def from_flex(cls, flex_mask, causal: bool = False, window=None) -> "BlockMask":
