@@ -209,12 +209,21 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     min/max per tile) are computed once, at the finest tile any pass uses, and ANDed."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
     _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    outer_args = args
+    outer = RelativePredicate(args.window_left, args.window_right)
     if block_mask is not None:
         # blocks smaller than the kernels' tiles would shrink the tiles: such masks run at
         # coarser blocks whose bitmaps carry the sub-block picture (converted once, cached)
         coarse = tuple(math.lcm(size, SMALLEST_MASK_TILE) for size in block_mask.block_size)
         if coarse != block_mask.block_size and not interpreting():
             block_mask = block_mask.coarsened(*coarse)
+        # PARTIAL tiles apply one predicate: when attention's terms would cut the mask's FULL
+        # blocks too, the mask's own predicate moves into bitmaps (converted once, cached).
+        # Not for packed sequences, whose predicates sit on each sequence's own diagonal.
+        cut_by_outer = (outer & block_mask.predicate) != block_mask.predicate or \
+            attn_mask is not None or row_lens is not None
+        if not block_mask.predicate.unbounded and cut_by_outer and packed is None:
+            block_mask = block_mask.coarsened(*block_mask.block_size)
     elementwise = attn_mask is not None or attn_bias is not None
     full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
     # per-row lengths alone, or a block mask without PARTIAL blocks, leave most visited tiles
@@ -224,8 +233,6 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise)
     bwd = backward_config(head_dim, q.dtype, masked=sparse, full_bias=full_bias)
     tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
-    outer_args = args
-    outer = RelativePredicate(args.window_left, args.window_right)
     if block_mask is not None:
         block_q, block_k = block_mask.block_size
         tiles = [(_kernel_tile(block_q, m), _kernel_tile(block_k, n)) for m, n in tiles]

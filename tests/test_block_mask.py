@@ -7,7 +7,7 @@ import torch
 
 import omniattn
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
-from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask
+from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask, RelativePredicate
 from test_schedule import expand_blocks, predicate
 
 BLOCK_SIZES = [16, 32, 48, (16, 64), (64, 32)]
@@ -56,8 +56,8 @@ def test_constructor_checks():
 
 
 def test_full_blocks_ignore_the_mask_predicate():
-    """FlexAttention semantics: a FULL block above the diagonal of a causal mask stays visible;
-    only ANDing attention's own window over such a block is refused (not silently wrong)."""
+    """FlexAttention semantics: a FULL block above the diagonal of a causal mask stays visible,
+    also when attention's own window cuts it (the mask's predicate then moves into bitmaps)."""
     states = torch.tensor([[[[PARTIAL, FULL], [FULL, PARTIAL]]]], dtype=torch.int8, device=DEVICE)
     mask = BlockMask.from_states(states, 16, (32, 32), causal=True)
     assert element_visibility(mask)[0, 0, 0, 16:].all()
@@ -66,8 +66,13 @@ def test_full_blocks_ignore_the_mask_predicate():
     out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, window=(3, 3), return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    in_window = predicate(32, 32, False, (3, 3)).to(DEVICE)
+    check_against_reference(out, lse, grads, q, k, v, dout,
+                            attn_mask=element_visibility(mask) & in_window)
     with pytest.raises(NotImplementedError, match="FULL blocks that its own causal/window"):
-        omniattn.attention(q, k, v, block_mask=mask, window=(3, 3))
+        mask.kernel_states(16, 16, RelativePredicate.make(False, (3, 3)))
 
 
 def test_repr_picture_and_transposed_lists():

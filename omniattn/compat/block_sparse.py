@@ -10,7 +10,8 @@ Shapes, as in the original:
   n-th 1 becomes n), then a head of value k > 0 uses base_blockmask[:, k - 1]; base_blockmask
   holds one mask per entry equal to 1 (so [1, 1] gives two heads two masks).
 - streaming_info int (2 * H,) = [sink_0, local_0, sink_1, local_1, ...], read for streaming
-  heads only: in blocks for block streaming, in tokens for token streaming.
+  heads only: in blocks for block streaming, in tokens for token streaming. head_mask_type and
+  streaming_info are read on the host (one sync, as the original's mask count check).
 - base_blockmask (B, n_blocksparse_heads, ceil(max_seqlen_q_ / m_block_dim),
   ceil(max_seqlen_k_ / n_block_dim)), bool or integer, nonzero = keep; each sequence's blocks
   are counted from its own start, blocks past its length are ignored.
@@ -31,7 +32,8 @@ counted inside the sequence, blocks m_block_dim x n_block_dim (qb = i // m, kb =
   diagonal.
 
 Differences from the original:
-- m_block_dim / n_block_dim: any positive multiples of 16 (the original only runs 128 x 128).
+- block_sparse_attn_func takes m_block_dim / n_block_dim (trailing, default 128): any positive
+  multiples of 16; the original fixes 128 x 128.
 - block streaming: for m == n the rule above is the original's on every full query block. On a
   sequence's last, partial, query block with Sq_b != Sk_b the original counts a full-sized block,
   which can put its local window one block past the block of the rows' diagonal (past the last
@@ -95,8 +97,9 @@ def _head_types(head_mask_type, num_heads: int, base_blockmask, caller: str) -> 
                              "(one entry per query head: 0 dense, -1 streaming, 1 block-sparse)")
     if base_blockmask is None:
         if any(kind > 0 for kind in head_types):
-            raise ValueError(f"head_mask_type {head_types} has block-sparse heads (values > 0), "
-                             f"but {caller} takes no base_blockmask; use block_sparse_attn_func")
+            raise ValueError(f"head_mask_type {head_types} has block-sparse heads (values > 0) "
+                             f"but {caller} got no base_blockmask (only block_sparse_attn_func "
+                             f"takes one)")
         return head_types
     numbered = _number_blocksparse_heads(head_types)
     n_masks = head_types.count(1)
@@ -205,22 +208,55 @@ class _SequenceBlocks:
         return torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
 
 
-def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type, streaming_info,
-                            base_blockmask, max_seqlen_q, max_seqlen_k, p_dropout, deterministic,
-                            softmax_scale, is_causal, exact_streaming, return_attn_probs,
-                            block_m, block_n, caller):
-    for name, flag in (("deterministic", deterministic), ("is_causal", is_causal),
-                       ("exact_streaming", exact_streaming),
-                       ("return_attn_probs", return_attn_probs)):
+def _token_streaming_mask(blocks: _SequenceBlocks, states: torch.Tensor, head_types: list[int],
+                          sinks: list[int], locals_: list[int], block_size, seq_lengths
+                          ) -> BlockMask:
+    """BlockMask of `states` (B, H, nQ, nK) whose token-streaming heads get element-exact
+    windows. The predicate runs once per distinct (sink, local) pair, not once per head; the
+    other heads' PARTIAL blocks are causal diagonals, which attention's causal handles."""
+    device = states.device
+    windows = sorted({(sink, local) for kind, sink, local in zip(head_types, sinks, locals_)
+                      if kind < 0})
+    window_of_head = torch.tensor([windows.index((sink, local)) if kind < 0 else 0
+                                   for kind, sink, local in zip(head_types, sinks, locals_)],
+                                  device=device)
+    sink = torch.tensor([window[0] for window in windows], device=device)
+    local = torch.tensor([window[1] for window in windows], device=device)
+    offset = blocks.offset.flatten()
+
+    def visible_element(b, w, q_idx, kv_idx):
+        diagonal = q_idx + offset[b]
+        in_window = (kv_idx < sink[w]) | (kv_idx > diagonal - local[w])
+        return (kv_idx <= diagonal) & in_window
+
+    window_mask = block_mask_from_predicate(
+        visible_element, states.shape[0], len(windows), *seq_lengths, block_size=block_size,
+        device=device, block_states=blocks.token_streaming_states(sink, local))
+    streaming_head = torch.tensor([kind < 0 for kind in head_types],
+                                  device=device)[None, :, None, None]
+    states = torch.where(streaming_head, window_mask.states[:, window_of_head], states)
+    if window_mask.element_bits is None:
+        return BlockMask.from_states(states, block_size, seq_lengths)
+    slots = torch.where(streaming_head, window_mask.element_slots[:, window_of_head], -1)
+    return BlockMask.from_states(states, block_size, seq_lengths,
+                                 element_bits=window_mask.element_bits, element_slots=slots)
+
+
+def _check_options(p_dropout, flags: dict, block_m, block_n) -> None:
+    for name, flag in flags.items():
         _check_flag(name, flag)
     _check_block_dim("m_block_dim", block_m)
     _check_block_dim("n_block_dim", block_n)
-    if exact_streaming and not is_causal:
+    if flags["exact_streaming"] and not flags["is_causal"]:
         raise ValueError("exact_streaming (token streaming) is causal: pass is_causal=True")
     if not isinstance(p_dropout, (int, float)) or isinstance(p_dropout, bool):
         raise TypeError(f"p_dropout must be a float, got {type(p_dropout).__name__}")
     if not 0.0 <= p_dropout < 1.0:
         raise ValueError(f"p_dropout must be in [0, 1), got {p_dropout}")
+
+
+def _check_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """What the block states need; attention() checks the rest (dtypes, k/v, sequence bounds)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be a packed (total_q, H, D) tensor, got {got}")
@@ -234,9 +270,21 @@ def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type,
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (B + 1,), got "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int (the longest sequence), got "
-                             f"{value!r}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int (the longest sequence), got "
+                            f"{type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1 (the longest sequence), got {value}")
+
+
+def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type, streaming_info,
+                            base_blockmask, max_seqlen_q, max_seqlen_k, p_dropout, deterministic,
+                            softmax_scale, is_causal, exact_streaming, return_attn_probs,
+                            block_m, block_n, caller):
+    _check_options(p_dropout, dict(deterministic=deterministic, is_causal=is_causal,
+                                   exact_streaming=exact_streaming,
+                                   return_attn_probs=return_attn_probs), block_m, block_n)
+    _check_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
     batch, num_heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
     n_q_blocks, n_k_blocks = -(-max_seqlen_q // block_m), -(-max_seqlen_k // block_n)
@@ -248,8 +296,6 @@ def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type,
     device = q.device
     blocks = _SequenceBlocks(cu_seqlens_q, cu_seqlens_k, n_q_blocks, n_k_blocks, block_m, block_n)
     kinds = torch.tensor(head_types, device=device)[None, :, None, None]
-    sink = torch.tensor(sinks, device=device)
-    local = torch.tensor(locals_, device=device)
     # block-level visibility of each head, ANDed below with causal (per sequence)
     visible = torch.ones(batch, num_heads, n_q_blocks, n_k_blocks, dtype=torch.bool,
                          device=device)
@@ -258,25 +304,14 @@ def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type,
         visible = torch.where(kinds > 0, base_blockmask[:, mask_of_head] != 0, visible)
     streaming = any(kind < 0 for kind in head_types)
     if streaming and not exact_streaming:
+        sink, local = (torch.tensor(values, device=device) for values in (sinks, locals_))
         visible = torch.where(kinds < 0, blocks.block_streaming(sink, local, is_causal), visible)
     states = torch.where(visible, blocks.causal_states(is_causal), HIDDEN)
     block_size, seq_lengths = (block_m, block_n), (max_seqlen_q, max_seqlen_k)
 
     if streaming and exact_streaming:
-        states = torch.where(kinds < 0, blocks.token_streaming_states(sink, local), states)
-        offset = blocks.offset.flatten()
-        token_streaming_head = torch.tensor([kind < 0 for kind in head_types], device=device)
-
-        # evaluated only inside PARTIAL blocks: causal for every head, the window for
-        # streaming heads
-        def visible_element(b, h, q_idx, kv_idx):
-            diagonal = q_idx + offset[b]
-            in_window = (kv_idx < sink[h]) | (kv_idx > diagonal - local[h])
-            return (kv_idx <= diagonal) & (in_window | ~token_streaming_head[h])
-
-        block_mask = block_mask_from_predicate(visible_element, batch, num_heads, max_seqlen_q,
-                                               max_seqlen_k, block_size=block_size,
-                                               device=device, block_states=states)
+        block_mask = _token_streaming_mask(blocks, states, head_types, sinks, locals_,
+                                           block_size, seq_lengths)
     else:
         block_mask = BlockMask.from_states(states, block_size, seq_lengths)
 
