@@ -17,6 +17,7 @@ from .reference import attention_reference
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_DTYPES = (torch.bool, torch.uint8, *SUPPORTED_DTYPES)
 MAX_HEAD_DIM = 256
+DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 SMALLEST_MASK_TILE = 64  # the bf16/fp16 tiles of masked schedules (configs.py) are 64 or 128
 
 def _describe(t: torch.Tensor) -> str:
@@ -337,8 +338,9 @@ def attention(
     dropout_p: probability of zeroing each attention probability (the kept ones are scaled by
         1 / (1 - p)); the lse is that of the undropped softmax. The kernels draw a counter-based
         Philox stream seeded from torch's generator (torch.manual_seed reproduces it) and
-        regenerate it in the backward pass; the CPU reference path draws from torch.rand, so
-        the two backends drop different elements.
+        regenerate it in the backward pass (p is rounded to a multiple of 2^-16 there: 16-bit
+        draws, 8 per Philox call); the CPU reference path draws from torch.rand, so the two
+        backends drop different elements.
     """
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_qkv(q, k, v, packed_layout)
@@ -378,8 +380,10 @@ def attention(
         # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes
         # the dropout pattern reproducible, and drawing it needs no device sync
         seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
+        # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
+        kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
         out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
-                                    seqlens_k_per_row, packed, (float(dropout_p), seed))
+                                    seqlens_k_per_row, packed, (kernel_p, seed))
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),

@@ -45,6 +45,13 @@ def test_keep_rate(p):
     keep = dropout_mask(batch, seqlen_q, seqlen_k, heads, heads, 64 if GPU else 16, p)
     sigma = math.sqrt(p * (1 - p) / keep.numel())
     assert abs(keep.float().mean().item() - (1 - p)) < 4 * sigma
+    # neighbouring keys (two halves of one 32-bit draw), and keys 8 apart (the next Philox
+    # counter), are dropped independently: both kept at rate (1 - p)^2
+    for first, second in ((keep[..., 0:-1:2], keep[..., 1::2]), (keep[..., :-8], keep[..., 8:])):
+        pairs = first[..., :second.shape[-1]] & second[..., :first.shape[-1]]
+        both = (1 - p) ** 2
+        assert abs(pairs.float().mean().item() - both) < 5 * math.sqrt(
+            both * (1 - both) / pairs.numel()), "correlated dropout decisions"
     # every (batch, head) draws its own elements
     assert not torch.equal(keep[:, 0], keep[:, 1])
 

@@ -11,7 +11,7 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
                      row_key_end, schedule_phase, schedule_rows, scores_log2, sequence_bounds,
                      store_pair_tile, visible_elements)
-from .configs import backward_config, padded_head_dim
+from .configs import DROPOUT_MAX_STAGES, backward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
@@ -571,6 +571,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         block_m2, block_n2 = schedule.dq.block_m, schedule.dq.block_n
         if schedule.dkdv.num_warps:
             num_warps, num_stages = schedule.dkdv.num_warps, schedule.dkdv.num_stages
+    if dropout[0] > 0:
+        # the dropout draws are regrouped through shared memory: one stage less
+        num_stages = min(num_stages, DROPOUT_MAX_STAGES)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv

@@ -119,14 +119,23 @@ def store_pair_tile(base, value, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
 
 @triton.jit
 def dropout_keep(seed, rng_base, offs_q, offs_k, rng_stride, dropout_p, TRANSPOSED: tl.constexpr):
-    """Dropout's keep decision for (query offs_q, key offs_k) of one (batch, head): one Philox
-    draw per element at counter rng_base + q * rng_stride + k, the same in every pass that
-    visits the element. [BM, BN], or [BN, BM] when TRANSPOSED."""
+    """Dropout's keep decision for (query offs_q, key offs_k) of one (batch, head): [BM, BN], or
+    [BN, BM] when TRANSPOSED. One Philox call (4 x 32 bits) serves 8 keys of a row: key k takes
+    16-bit draw k % 8 of counter rng_base + q * rng_stride + k // 8, the same in every pass that
+    visits it, and is kept iff the draw >= p * 2^16 (the launcher makes p a multiple of 2^-16).
+    offs_k starts at a multiple of 8."""
+    rows: tl.constexpr = offs_q.shape[0]
+    cols: tl.constexpr = offs_k.shape[0]
+    groups = tl.min(tl.reshape(offs_k, [cols // 8, 8]), 1) // 8  # [BN / 8]
+    counters = rng_base + offs_q[:, None].to(tl.int64) * rng_stride + groups[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)  # [BM, BN / 8] each
+    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [rows, cols // 8, 4])
+    draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), [rows, cols])  # key 8g + 2w + h
+    # p arrives as a Python float under the interpreter: make it a tensor before the cast
+    keep = draws >= (tl.zeros([], tl.float32) + dropout_p * 65536.0).to(tl.uint32)
     if TRANSPOSED:
-        offsets = rng_base + offs_q[None, :].to(tl.int64) * rng_stride + offs_k[:, None]
-    else:
-        offsets = rng_base + offs_q[:, None].to(tl.int64) * rng_stride + offs_k[None, :]
-    return tl.rand(seed, offsets) >= dropout_p
+        keep = tl.trans(keep)
+    return keep
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, visible_elements)
-from .configs import forward_config, padded_head_dim
+from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_shape, lse_strides, packed_operands,
@@ -236,6 +236,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         block_m, block_n = schedule.block_m, schedule.block_n
         if schedule.num_warps:
             num_warps, num_stages = schedule.num_warps, schedule.num_stages
+    if dropout[0] > 0:
+        # the dropout draws are regrouped through shared memory: one stage less
+        num_stages = min(num_stages, DROPOUT_MAX_STAGES)
     out = torch.empty_like(q) if out is None else out
     if lse is None:
         lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
