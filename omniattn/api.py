@@ -105,8 +105,10 @@ def _check_block_mask(block_mask, q, k, packed: PackedSequences | None) -> None:
         raise ValueError(f"block_mask is on {block_mask.kv_indices.device} but q is on {q.device}")
 
 
-def _check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor) -> None:
-    """attn_mask / attn_bias: 4-D, each dim 1 or full, heads in {1, Hk, H}; never expanded."""
+def _check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
+                       packed: PackedSequences | None) -> None:
+    """attn_mask / attn_bias: 4-D (packed: 3-D (total_q, Hm, max_seqlen_k)), each dim 1 or full,
+    heads in {1, Hk, H}; never expanded."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -114,8 +116,18 @@ def _check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor) -
                         f"{', '.join(str(d) for d in dtypes)}")
     if t.device != q.device:
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    batch, seqlen_q, num_heads = q.shape[:3]
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    num_heads, num_heads_k = q.shape[-2], k.shape[-2]
+    if packed is not None:
+        total_q, max_k = q.shape[0], packed.max_seqlen_k
+        if (t.dim() != 3 or t.shape[0] not in (1, total_q)
+                or t.shape[1] not in (1, num_heads_k, num_heads) or t.shape[2] not in (1, max_k)):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; packed sequences take "
+                             f"(total_q={total_q}, H in {{1,{num_heads_k},{num_heads}}}, "
+                             f"max_seqlen_k={max_k}), row i's keys counted from its sequence's "
+                             f"first key; size-1 dims broadcast")
+        return
+    batch, seqlen_q = q.shape[:2]
+    seqlen_k = k.shape[1]
     if (t.dim() != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, num_heads_k, num_heads)
             or t.shape[2] not in (1, seqlen_q) or t.shape[3] not in (1, seqlen_k)):
         raise ValueError(f"{name} has shape {tuple(t.shape)}, not broadcastable to (B={batch}, "
@@ -244,7 +256,7 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     element_states = None  # (B|1, Hs, n|1, n|1) at fine_tile
     if attn_mask is not None:
         element_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q,
-                                          seqlen_k, *fine_tile, outer_args)
+                                          seqlen_k, *fine_tile, outer_args, packed)
     if row_lens is not None:
         by_length = row_length_states(row_lens, seqlen_q, seqlen_k, *fine_tile, packed)
         element_states = by_length if element_states is None \
@@ -309,7 +321,9 @@ def attention(
         softmax_scale: defaults to 1 / sqrt(D).
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax.
         attn_mask: bool (True = keep) or numeric (nonzero = keep), broadcastable to
-            (B, Hm, Sq, Sk) with Hm in {1, Hk, H}; size-1 dims are read with stride 0.
+            (B, Hm, Sq, Sk) with Hm in {1, Hk, H}; size-1 dims are read with stride 0. Packed:
+            (total_q|1, Hm, max_seqlen_k|1), row i's columns counting from the first key of its
+            sequence (the layout of the seed's varlen API).
         attn_bias: fp16/bf16/fp32, broadcastable like attn_mask, added to the scores after the
             softcap; differentiable, its gradient comes back in its own shape (summed over the
             dims it broadcasts, inside the backward pass). The mask is classified per tile by a
@@ -353,10 +367,6 @@ def attention(
     if packed_layout:
         packed = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                check_inputs)
-        for name, given in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
-            if given is not None:
-                raise NotImplementedError(f"{name} with packed (varlen) sequences is not "
-                                          f"implemented yet (issue #5); pad the batch instead")
     elif max_seqlen_q is not None or max_seqlen_k is not None:
         raise ValueError("max_seqlen_q / max_seqlen_k belong to packed inputs: pass them with "
                          "cu_seqlens_q and cu_seqlens_k")
@@ -364,9 +374,9 @@ def attention(
     if block_mask is not None:
         _check_block_mask(block_mask, q, k, packed)
     if attn_mask is not None:
-        _check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k)
+        _check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k, packed)
     if attn_bias is not None:
-        _check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k)
+        _check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k, packed)
     if seqlens_k_per_row is not None:
         seqlens_k_per_row = _check_row_lens(seqlens_k_per_row, q, k, packed, check_inputs)
 

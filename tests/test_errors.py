@@ -321,8 +321,11 @@ def test_seqlens_k_per_row_packed_bound_is_per_sequence():
      f"max_seqlen_q = {S - 1} is shorter than the longest sequence ({S})"),
     (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_k=float(S)), TypeError,
      "max_seqlen_k must be an int or None, got float"),
-    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=torch.ones(2 * S, 1, S, dtype=torch.bool)),
-     NotImplementedError, "attn_mask with packed (varlen) sequences is not implemented yet"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_mask=torch.ones(2 * S, 1, S + 1, dtype=torch.bool)),
+     ValueError, f"attn_mask has shape ({2 * S}, 1, {S + 1}); packed sequences take (total_q="
+                 f"{2 * S}, H in {{1,{H},{H}}}, max_seqlen_k={S})"),
+    (dict(cu_seqlens_q=CU, cu_seqlens_k=CU, attn_bias=torch.ones(1, 2 * S, H, S)),
+     ValueError, f"attn_bias has shape (1, {2 * S}, {H}, {S}); packed sequences take"),
 ])
 def test_varlen_invalid(kwargs, error, message):
     q, k, v = packed()

@@ -129,6 +129,40 @@ def test_block_mask_with_mask_and_bias():
              "bh1s", causal=True, block_mask=block_mask)
 
 
+# (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk
+PACKED_FORMS = [("tks", "ths"), ("1ks", "1ks"), ("t1s", "t11"), (None, "tks"), ("tks", None)]
+
+
+@pytest.mark.parametrize("mask_form, bias_form", PACKED_FORMS, ids=str)
+def test_packed_mask_and_bias(mask_form, bias_form):
+    """Varlen with an element mask and a bias in the seed's packed layout (row i's columns count
+    from its sequence's first key), causal per sequence, a sequence of one query, rows that
+    see no key; dbias in the bias's packed shape."""
+    lengths_q, lengths_k = ([300, 1, 257], [411, 7, 200]) if GPU else ([17, 1, 30], [25, 3, 12])
+    heads, heads_k = 4, 2
+    sizes = {"t": sum(lengths_q), "h": heads, "k": heads_k, "s": max(lengths_k), "1": 1}
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device=DEVICE) for n in (lengths_q, lengths_k))
+    generator = torch.Generator().manual_seed(len(mask_form or "") + len(bias_form or ""))
+    mask = bias = None
+    if mask_form is not None:
+        mask = make_mask(tuple(sizes[c] for c in mask_form), torch.bool, generator)
+        if mask.shape[0] > 1:
+            mask[:2] = False  # rows that see no key
+    if bias_form is not None:
+        bias = torch.randn(tuple(sizes[c] for c in bias_form), generator=generator)
+        bias = bias.to(device=DEVICE, dtype=torch.float16).requires_grad_()
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    q = torch.randn(sizes["t"], heads, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lengths_k), heads_k, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    if bias is not None:
+        bias = bias.to(dtype).detach().requires_grad_()
+    run_and_check(q, k, v, attn_mask=mask, attn_bias=bias, causal=True, cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k)
+
+
 def test_mask_tile_skipping():
     """Key tiles the mask hides are never loaded (NaN keys there do not leak), and the
     all-kept tiles are FULL: the schedule lists match the mask's tile picture."""

@@ -517,32 +517,39 @@ def _bwd_kernel(
             DOT_PRECISION)
 
 
-def _dbias_buffer(bias: torch.Tensor, batch: int, num_heads: int, num_heads_k: int):
+def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
     One slot per query head when the bias has H heads or one column for all keys (those are
     written by the dQ programs, see _bwd_kernel), else one per KV head: the dK/dV program sums
-    its group in place. Slots and batches the bias broadcasts are summed afterwards.
-    Returns (buffer, per_qhead, finish)."""
-    bias_batch, bias_heads, rows, cols = bias.shape
+    its group in place. Slots and batches the bias broadcasts are summed afterwards. A packed
+    bias with a row per query is written once for every sequence (each writes its own rows).
+    Returns (buffer, its kernel strides, per_qhead, finish)."""
+    bias_batch, bias_heads, rows, cols = bias.tensor.shape
+    dtype_out = bias.tensor.dtype
     per_qhead = cols == 1 or bias_heads == num_heads
     slots = num_heads if per_qhead else num_heads_k
+    buffer_batch = 1 if bias.packed and rows != 1 else batch
     accumulate = cols != 1 and rows != 1 and not per_qhead and num_heads > num_heads_k
-    reduce = slots != bias_heads or bias_batch != batch
-    dtype = torch.float32 if reduce or accumulate else bias.dtype
-    # elements of tiles no program visits must read 0; other layouts are written in full
-    alloc = torch.zeros if cols != 1 and rows != 1 else torch.empty
-    buffer = alloc((batch, slots, rows, cols), dtype=dtype, device=bias.device)
+    reduce = slots != bias_heads or bias_batch != buffer_batch
+    dtype = torch.float32 if reduce or accumulate else dtype_out
+    # elements of tiles no program visits must read 0 (packed: keys past a sequence's end too);
+    # other layouts are written in full
+    alloc = torch.zeros if (cols != 1 and rows != 1) or bias.packed else torch.empty
+    buffer = alloc((buffer_batch, slots, rows, cols), dtype=dtype, device=bias.tensor.device)
+    # size-1 dims at stride 0: packed rows are addressed from each sequence's first row
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(buffer.shape,
+                                                                       buffer.stride()))
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
-        if not reduce:
-            return buf.to(bias.dtype)
-        summed = buf.view(batch, bias_heads, slots // bias_heads, rows, cols).sum(2)
-        if bias_batch != batch:
-            summed = summed.sum(0, keepdim=True)
-        return summed.to(bias.dtype)
+        summed = buf
+        if reduce:
+            summed = buf.view(buffer_batch, bias_heads, slots // bias_heads, rows, cols).sum(2)
+            if bias_batch != buffer_batch:
+                summed = summed.sum(0, keepdim=True)
+        return bias.unpacked(summed.to(dtype_out))
 
-    return buffer, per_qhead, finish
+    return buffer, strides, per_qhead, finish
 
 
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
@@ -577,10 +584,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    dbias_buffer, dbias_per_qhead, finish_dbias = None, True, None
+    dbias_buffer, dbias_strides, dbias_per_qhead, finish_dbias = None, None, True, None
     if bias_grad:
-        dbias_buffer, dbias_per_qhead, finish_dbias = _dbias_buffer(bias.tensor, batch, num_heads,
-                                                                    num_heads_k)
+        dbias_buffer, dbias_strides, dbias_per_qhead, finish_dbias = _dbias_buffer(
+            bias, batch, num_heads, num_heads_k)
     if q.numel() == 0 or k.numel() == 0:
         dbias = finish_dbias(dbias_buffer.zero_()) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
@@ -603,7 +610,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     else:
         fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    dbias_operands = (dbias_buffer, *dbias_buffer.stride()) if bias_grad else unused[:5]
+    dbias_operands = (dbias_buffer, *dbias_strides) if bias_grad else unused[:5]
     grid = (n_tiles_n + group * n_tiles_m, batch * num_heads_k)
     even = packed is None
     _bwd_kernel[grid](

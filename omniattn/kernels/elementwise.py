@@ -21,18 +21,29 @@ _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.const
 class Elementwise:
     """A (B|1, Hm, Sq|1, Sk|1) mask or bias, Hm in {1, Hk, H}: query head h reads head
     h // head_div; size-1 dims have stride 0 (rows_shared: one row for every query, cols_shared:
-    one column for every key)."""
+    one column for every key). Packed (varlen) ones, (total_q|1, Hm, max_seqlen_k|1), are held
+    as the view (1, Hm, total_q|1, max_seqlen_k|1): the kernels offset rows by each sequence's
+    first row, and columns count from its first key."""
 
     tensor: torch.Tensor
     strides: tuple[int, int, int, int]
     head_div: int
+    packed: bool = False
 
     @staticmethod
     def of(t: torch.Tensor, num_heads: int) -> "Elementwise":
+        packed = t.dim() == 3
+        if packed:
+            t = t.permute(1, 0, 2).unsqueeze(0)
         if t.dtype == torch.bool:
             t = t.view(torch.uint8)  # same bytes; the kernels test != 0
         strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-        return Elementwise(t, strides, num_heads // t.shape[1])
+        return Elementwise(t, strides, num_heads // t.shape[1], packed)
+
+    def unpacked(self, grad: torch.Tensor) -> torch.Tensor:
+        """A (1, Hm, rows, cols) gradient in the caller's layout: packed ones back to
+        (rows, Hm, cols)."""
+        return grad[0].permute(1, 0, 2).contiguous() if self.packed else grad
 
     @property
     def rows_shared(self) -> bool:
@@ -58,17 +69,26 @@ class Elementwise:
 def _mask_states_kernel(
     Mask, States, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_sb, stride_sh, stride_sm, seqlen_q, seqlen_k, mask_rows, mask_cols, n_cols, num_heads,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, CuSeqlensQ, CuSeqlensK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, ROWS_SHARED: tl.constexpr, COLS_SHARED: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr,
+    VARLEN: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
 ):
     """States of TILES_PER_PROGRAM (mask batch, mask head, query tile, key tile) tiles: HIDDEN if
     no element is kept, FULL if all in-bounds ones are, else PARTIAL. Tiles that causal/window
-    hide are HIDDEN without a read."""
+    hide are HIDDEN without a read. VARLEN: batch = packed sequence, tiles count from its first
+    row and key, elements past its lengths are out of bounds."""
     tile_m = tl.program_id(1)
     off_b = tl.program_id(2) // num_heads
     off_h = tl.program_id(2) % num_heads
+    first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
+                                                     seqlen_k, VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
+        if not ROWS_SHARED:
+            mask_rows = seqlen_q
+        if not COLS_SHARED:
+            mask_cols = tl.minimum(mask_cols, seqlen_k)
     start_m = tile_m * BLOCK_M
     states = States + off_b * stride_sb + off_h * stride_sh + tile_m * stride_sm
     lo = 0
@@ -80,7 +100,7 @@ def _mask_states_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     rows_inside = offs_m[:, None] < mask_rows - start_m
     row_base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh \
-        + start_m.to(tl.int64) * stride_mm + offs_m[:, None] * stride_mm
+        + (first_q + start_m).to(tl.int64) * stride_mm + offs_m[:, None] * stride_mm
     for t in tl.static_range(TILES_PER_PROGRAM):
         tile_n = tl.program_id(0) * TILES_PER_PROGRAM + t
         if tile_n < n_cols:
@@ -98,20 +118,25 @@ def _mask_states_kernel(
 
 
 def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                     args: KernelArgs) -> torch.Tensor:
+                     args: KernelArgs, packed: PackedSequences | None = None) -> torch.Tensor:
     """int8 (B|1, Hm, n_q_tiles | 1, n_k_tiles | 1) states of the mask at (block_m, block_n)
     tiles: one read of the mask, skipping the tiles causal/window already hide (when the mask
-    spans both Sq and Sk). A dim the mask broadcasts keeps size 1."""
+    spans both Sq and Sk). A dim the mask broadcasts keeps size 1. Packed: one state map per
+    sequence (B = sequences, tiles of the longest), (Sq, Sk) the longest lengths."""
     t = mask.tensor
     batch, heads, rows, cols = t.shape
+    if packed is not None:
+        batch = packed.batch
+        rows = 1 if mask.rows_shared else seqlen_q
     n_m, n_n = triton.cdiv(rows, block_m), triton.cdiv(cols, block_n)
     states = torch.empty((batch, heads, n_m, n_n), dtype=torch.int8, device=t.device)
     tiles_per_program = 4  # 64x64 tiles: one per program is launch-bound (131k programs at 4k)
     _mask_states_kernel[(triton.cdiv(n_n, tiles_per_program), n_m, batch * heads)](
         t, states, *mask.strides, *states.stride()[:3], seqlen_q, seqlen_k, rows, cols, n_n, heads,
         seqlen_k - seqlen_q, args.window_left, args.window_right,
+        *packed_operands(packed, t.device),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right,
-        ROWS_SHARED=mask.rows_shared, COLS_SHARED=mask.cols_shared,
+        ROWS_SHARED=mask.rows_shared, COLS_SHARED=mask.cols_shared, VARLEN=packed is not None,
         TILES_PER_PROGRAM=tiles_per_program,
     )
     return states
