@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
-from ..kernels.schedule import FULL, HIDDEN, PARTIAL
+from ..kernels.schedule import FULL, HIDDEN, PARTIAL, RelativePredicate
 from ..masks import BlockMask, block_mask_from_predicate
 
 # the block size of the original's streaming functions (its only supported block size)
@@ -169,18 +169,6 @@ class _SequenceBlocks:
         self.last_k_block = (seqlen_k + block_n - 1) // block_n - 1
         self.in_sequence = (self.q_first < seqlen_q) & (self.k_first < seqlen_k)
         self.block_n = block_n
-
-    def causal_states(self, causal: bool) -> torch.Tensor:
-        """int8 (B, 1, nQ, nK): FULL where every element is visible, PARTIAL where causal cuts
-        the block, HIDDEN above the diagonal and past the sequence."""
-        states = torch.full(self.in_sequence.shape, FULL, dtype=torch.int8,
-                            device=self.in_sequence.device)
-        if causal:
-            all_visible = self.k_last <= self.q_first + self.offset
-            none_visible = self.k_first > self.q_last + self.offset
-            states = torch.where(all_visible, states, torch.where(none_visible, HIDDEN, PARTIAL)
-                                 .to(torch.int8))
-        return torch.where(self.in_sequence, states, HIDDEN)
 
     def block_streaming(self, sink: torch.Tensor, local: torch.Tensor,
                         causal: bool) -> torch.Tensor:
@@ -306,7 +294,12 @@ def _block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type,
     if streaming and not exact_streaming:
         sink, local = (torch.tensor(values, device=device) for values in (sinks, locals_))
         visible = torch.where(kinds < 0, blocks.block_streaming(sink, local, is_causal), visible)
-    states = torch.where(visible, blocks.causal_states(is_causal), HIDDEN)
+    # FULL where every element is visible, PARTIAL where causal cuts a block, HIDDEN above the
+    # diagonal and past each sequence's end: (B, 1, nQ, nK)
+    by_causal = RelativePredicate.make(is_causal).classify(
+        max_seqlen_q, max_seqlen_k, block_m, block_n, device=device,
+        lengths=(cu_seqlens_q[1:] - cu_seqlens_q[:-1], cu_seqlens_k[1:] - cu_seqlens_k[:-1]))
+    states = torch.where(visible, by_causal[:, None], HIDDEN)
     block_size, seq_lengths = (block_m, block_n), (max_seqlen_q, max_seqlen_k)
 
     if streaming and exact_streaming:

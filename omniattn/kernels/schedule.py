@@ -35,18 +35,23 @@ class RelativePredicate:
             return b if a < 0 else a if b < 0 else min(a, b)
         return RelativePredicate(tighter(self.left, other.left), tighter(self.right, other.right))
 
+    def holds(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, seqlen_q: int,
+              seqlen_k: int) -> torch.Tensor:
+        """Bool, the broadcast of q_idx and kv_idx: whether key kv_idx is visible to query q_idx."""
+        rel = kv_idx - q_idx - (seqlen_k - seqlen_q)
+        visible = torch.ones_like(rel, dtype=torch.bool)
+        if self.right >= 0:
+            visible = visible & (rel <= self.right)
+        if self.left >= 0:
+            visible = visible & (rel >= -self.left)
+        return visible
+
     def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor | None:
         """Bool [len(q_idx), Sk]: which keys rows q_idx may see; None when all of them."""
         if self.unbounded:
             return None
         k_idx = torch.arange(seqlen_k, device=q_idx.device)
-        rel = k_idx[None, :] - q_idx[:, None] - (seqlen_k - seqlen_q)
-        visible = torch.ones_like(rel, dtype=torch.bool)
-        if self.right >= 0:
-            visible &= rel <= self.right
-        if self.left >= 0:
-            visible &= rel >= -self.left
-        return visible
+        return self.holds(q_idx[:, None], k_idx[None, :], seqlen_q, seqlen_k)
 
     @property
     def unbounded(self) -> bool:

@@ -182,13 +182,7 @@ class BlockMask:
     def _partial_keep(self, b, h, q_idx, kv_idx) -> torch.Tensor:
         """What a PARTIAL block shows at these elements: the predicate AND its bitmap.
         Broadcastable int tensors; b / h are read at 0 where this mask broadcasts them."""
-        seqlen_q, seqlen_k = self.seq_lengths
-        rel = kv_idx - q_idx - (seqlen_k - seqlen_q)
-        keep = torch.ones_like(rel, dtype=torch.bool)
-        if self.predicate.right >= 0:
-            keep = keep & (rel <= self.predicate.right)
-        if self.predicate.left >= 0:
-            keep = keep & (rel >= -self.predicate.left)
+        keep = self.predicate.holds(q_idx, kv_idx, *self.seq_lengths)
         if self.element_bits is None:
             return keep
         block_q, block_k = self.block_size
@@ -227,8 +221,7 @@ class BlockMask:
 
             rows, cols = block_q // self.block_size[0], block_k // self.block_size[1]
             # exact where every sub-block is FULL or every one hidden; the rest is evaluated
-            hint = coarsen_states(torch.where(self.states == FULL, FULL, torch.where(
-                self.states == HIDDEN, HIDDEN, PARTIAL)).to(torch.int8), rows, cols)
+            hint = coarsen_states(self.states, rows, cols)
             self._coarsened[key] = block_mask_from_predicate(
                 self.mask_mod, *self.kv_num_blocks.shape[:2], *self.seq_lengths, key,
                 self.kv_indices.device, block_states=hint)
