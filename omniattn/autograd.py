@@ -36,9 +36,9 @@ def attention_fwd_op(
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_forward(q, k, v, args, sched.forward if sched is not None else None,
-                             sched.bits if sched is not None else None, mask=mask, bias=bias, row_lens=row_lens, packed=packed,
-                             dropout=(dropout_p, dropout_seed))
+    forward, bits = (sched.forward, sched.bits) if sched is not None else (None, None)
+    return attention_forward(q, k, v, args, forward, bits, mask=mask, bias=bias,
+                             row_lens=row_lens, packed=packed, dropout=(dropout_p, dropout_seed))
 
 
 @attention_fwd_op.register_fake

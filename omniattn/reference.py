@@ -169,8 +169,9 @@ def attention_reference(
 
 def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, attn_mask, attn_bias,
                       seqlens_k_per_row, block_mask, return_lse, **kwargs):
-    """Packed sequences: each sequence is attended on its own; packed masks are (total_q, Hm, max_k);
-    a block mask's batch dim indexes sequences, its blocks count from each sequence's start."""
+    """Packed sequences: each sequence is attended on its own; packed masks are
+    (total_q, Hm, max_k); a block mask's batch dim indexes sequences, its blocks count from each
+    sequence's start."""
     outs, lses = [], []
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()

@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range, load_pair_tile, load_rows,
-                     row_key_end, schedule_phase, schedule_rows, scores_log2, sequence_bounds,
-                     store_pair_tile, visible_elements)
+from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range,
+                     load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
+                     scores_log2, sequence_bounds, store_pair_tile, visible_elements)
 from .configs import DROPOUT_MAX_STAGES, backward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists

@@ -6,8 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile, load_rows, row_key_end,
-                     schedule_phase, schedule_rows, scores_log2, sequence_bounds, visible_elements)
+from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile,
+                     load_rows, row_key_end, schedule_phase, schedule_rows, scores_log2,
+                     sequence_bounds, visible_elements)
 from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, TileLists
