@@ -1,5 +1,6 @@
 """BlockMask builders. Each lists a block FULL only when its predicate holds on every element of
-it, PARTIAL when it holds on some, and leaves the rest out. Work and memory are O(blocks)."""
+it, PARTIAL when it holds on some, and leaves the rest out. Memory is O(blocks + distinct
+element bitmaps); element predicates are evaluated only inside blocks that may be PARTIAL."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,12 @@ import torch
 from .block_mask import FULL, HIDDEN, PARTIAL, BlockMask, RelativePredicate
 
 
+def _pair(block_size) -> tuple[int, int]:
+    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+
+
 def _relative_block_mask(seqlen_q, seqlen_k, block_size, causal, window, device) -> BlockMask:
-    block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
+    block_q, block_k = _pair(block_size)
     states = RelativePredicate.make(causal, window).classify(seqlen_q, seqlen_k, block_q, block_k,
                                                              device=device)
     return BlockMask.from_states(states[None, None], (block_q, block_k), (seqlen_q, seqlen_k),
@@ -37,15 +42,11 @@ def block_mask_from_blocks(blocks: torch.Tensor, block_size: int | tuple[int, in
         got = f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}" \
             if isinstance(blocks, torch.Tensor) else type(blocks).__name__
         raise TypeError(f"blocks must be a bool tensor (B|1, H|1, n_q_blocks, n_k_blocks), got {got}")
-    block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
+    block_q, block_k = _pair(block_size)
     if seq_lengths is None:
         seq_lengths = (blocks.shape[2] * block_q, blocks.shape[3] * block_k)
     states = blocks.to(torch.int8) * FULL
     return BlockMask.from_states(states, (block_q, block_k), seq_lengths)
-
-
-def _pair(block_size) -> tuple[int, int]:
-    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
 
 
 def _evaluate_blocks(mask_mod, blocks: torch.Tensor, block_q: int, block_k: int, seqlen_q: int,
