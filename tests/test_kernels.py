@@ -74,6 +74,7 @@ INTERPRETER_CASES = [
     (1, 32, 48, 2, 2, 128, torch.float16, "dense", 0.0),
     (1, 19, 21, 1, 1, 192, torch.float32, "causal", 0.0),
     (1, 16, 33, 1, 1, 256, torch.float16, "window", 0.0),
+    (1, 19, 23, 2, 1, 36, torch.float16, "causal", 0.0),  # 72-byte rows: no tensor descriptors
 ]
 
 
@@ -117,6 +118,27 @@ def _gpu_matrix():
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("case", _gpu_matrix(), ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
 def test_kernels_gpu(case):
+    check_case(*case)
+
+
+@pytest.mark.parametrize("case", [(1, 33, 47, 2, 1, 64, torch.float16, "dense", 0.0),
+                                  (1, 40, 17, 4, 2, 32, torch.float16, "causal", 0.0)],
+                         ids=["dense", "causal"])
+def test_pointer_loads(monkeypatch, case):
+    """The path without tensor descriptors (pre-Hopper GPUs, unaligned strides) stays exact."""
+    monkeypatch.setenv("OMNIATTN_TMA", "0")
+    check_case(*case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("case", [(2, 256, 512, 8, 2, 64, torch.bfloat16, "dense", 0.0),
+                                  (2, 384, 256, 8, 8, 128, torch.float16, "dense", 0.0),
+                                  (1, 1000, 2048, 4, 1, 128, torch.bfloat16, "dense", 0.0)],
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_warp_specialized_forward(case):
+    """Dense launches with Sk a multiple of the key tile take the warp-specialised forward on
+    Hopper (triton 3.6 miscompiled some of its variants into unwritten rows: outputs are poisoned)."""
     check_case(*case)
 
 

@@ -13,12 +13,14 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Forward tiles: query rows x key columns per program."""
+    """Forward tiles: query rows x key columns per program. warp_specialize: the FULL-tile loop
+    runs as a producer warp (TMA loads) and consumer warpgroups; needs TMA."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def tma_enabled(device: torch.device) -> bool:
+    """K/V tiles through tensor descriptors (TMA on sm90+; the interpreter emulates them).
+    OMNIATTN_TMA=0 turns them off (the pointer path stays tested)."""
+    if os.environ.get("OMNIATTN_TMA", "1") == "0":
+        return False
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 _INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1)
 
@@ -52,6 +64,18 @@ _FWD = {
     (128, True): TileConfig(64, 64, 4, 3),  # 0.338-0.360 ms; (128, 128, 8, 3) 0.361
     (256, False): TileConfig(128, 64, 8, 2),  # 1.22 ms; (64, 64, 4, 2) 2.2
     (256, True): TileConfig(128, 64, 8, 2),  # 0.697 ms; (64, 64, 4, 3) 0.804
+}
+# Hopper, q/k/v/out through tensor descriptors (TMA), keyed like _FWD. H100, bf16, B2 H16 4k
+# (D128 dense also B1 H16 16k), scratch sweep at 2026-11-22; "pointers" is _FWD's entry without
+# descriptors. Warp-specialised entries (one producer warp, two 64-row consumer warpgroups) run
+# dense launches only; 3 stages or 128x64 tiles specialised gave NaNs (triton 3.6 miscompiles).
+_FWD_TMA = {
+    (64, False): TileConfig(128, 128, 4, 2, True),  # 0.393 ms; pointers 0.509, (128,128,4,3) 0.437
+    (64, True): TileConfig(64, 64, 4, 3),  # 0.253 ms; pointers 0.399, (128, 64, 4, 3) 0.379
+    (128, False): TileConfig(128, 128, 4, 2, True),  # 0.521 / 4.06 ms (16k); pointers 0.580 / 4.25
+    (128, True): TileConfig(64, 64, 4, 3),  # 0.336 ms; pointers 0.346, (128, 128, 8, 3) 0.378
+    (256, False): TileConfig(128, 64, 8, 2),  # 1.149 ms; pointers 1.272, (64,64,4,2) specialised 1.81
+    (256, True): TileConfig(64, 64, 4, 3),  # 0.640 ms; pointers 0.730, (128, 64, 8, 2) 0.668
 }
 # backward, keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages)
 _BWD = {
@@ -91,8 +115,9 @@ def _key(head_dim: int, masked: bool) -> tuple[int, bool]:
 
 
 def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
-                   elementwise: bool = False) -> TileConfig:
-    """masked: causal / window / explicit schedule; elementwise: an element mask or a bias."""
+                   elementwise: bool = False, tma: bool = False) -> TileConfig:
+    """masked: causal / window / explicit schedule; elementwise: an element mask or a bias;
+    tma: K/V tiles come through tensor descriptors."""
     if interpreting():
         return _INTERPRETER
     if dtype == torch.float32:
@@ -100,6 +125,8 @@ def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
     key = _key(head_dim, masked or elementwise)
     if elementwise and key[0] in _FWD_ELEMENTWISE:
         return _FWD_ELEMENTWISE[key[0]]
+    if tma and key in _FWD_TMA:
+        return _FWD_TMA[key]
     return _FWD[key]
 
 

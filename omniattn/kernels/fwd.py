@@ -9,16 +9,16 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile,
                      load_rows, row_key_end, schedule_phase, schedule_rows, scores_log2,
                      sequence_bounds, visible_elements)
-from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim
+from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_shape, lse_strides, packed_operands,
-                        row_lens_operands, row_strides)
+                        row_lens_operands, row_strides, tma_compatible, descriptor_workspace)
 
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
+    acc, m_i, l_i, q, k_src, v_src, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn,
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, key_end, diag_offset, window_left, window_right,
@@ -30,9 +30,12 @@ def _fwd_tiles(
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     DROPOUT: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
+    k_src / v_src: tensor descriptors of this sequence's keys / values (TMA) or pointers to
+    their [BN, BD] tile at key 0.
     mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias;
     key_end [BM] is where each row's keys end (PARTIAL tiles only); bit_slots points at the
     block-bitmap slots of this query tile's user block row (HAS_BITS)."""
@@ -40,7 +43,7 @@ def _fwd_tiles(
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
         next_tile = tl.load(tile_list)
-    for i in range(num_tiles):
+    for i in tl.range(num_tiles, warp_specialize=WARP_SPECIALIZE):
         if FROM_LIST:
             tile_n = next_tile
             next_tile = tl.load(tile_list + tl.minimum(i + 1, num_tiles - 1))
@@ -48,43 +51,56 @@ def _fwd_tiles(
             tile_n = first_tile + i
         start_n = tile_n * BLOCK_N
         keys = start_n + offs_n
-        k = load_rows(k_tile + start_n.to(tl.int64) * stride_kn, keys, seqlen_k, offs_d, EVEN_N,
-                      HEAD_DIM, BLOCK_D)  # [BN, BD]
-        v = load_rows(v_tile + start_n.to(tl.int64) * stride_vn, keys, seqlen_k, offs_d, EVEN_N,
-                      HEAD_DIM, BLOCK_D)  # [BN, BD]
+        if TMA:  # rows past the sequence's end read 0
+            k = k_src.load([start_n, 0])  # [BN, BD]
+            v = v_src.load([start_n, 0])
+        else:
+            k = load_rows(k_src + start_n.to(tl.int64) * stride_kn, keys, seqlen_k, offs_d,
+                          EVEN_N, HEAD_DIM, BLOCK_D)  # [BN, BD]
+            v = load_rows(v_src + start_n.to(tl.int64) * stride_vn, keys, seqlen_k, offs_d,
+                          EVEN_N, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
-        s, _ = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
-        if HAS_BIAS:
-            bias = load_pair_tile(bias_rows + start_n.to(tl.int64) * stride_bn, local_m, offs_n,
-                                  stride_bm, stride_bn, rows_left, seqlen_k - start_n,
-                                  BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N)
-            s += bias.to(tl.float32) * LOG2E
-        if PARTIAL:
-            visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
-                                       window_right, HAS_LEFT, HAS_RIGHT)
-            if HAS_MASK:
-                keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
-                                      offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
-                                      MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N)
-                visible = visible & (keep != 0)
-            if HAS_BITS:
-                visible = visible & block_bits_keep(
-                    bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
-                    USER_BQ, USER_BK, False)
-            s = tl.where(visible, s, float("-inf"))
-        elif not EVEN_N:
-            # a FULL tile of an explicit schedule may still run past Sk
-            s = tl.where(keys[None, :] < seqlen_k, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row with nothing visible yet keeps m = -inf; subtract 0 there so no inf - inf appears
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
+        if PLAIN_SCORES and not PARTIAL:
+            # FULL tile of plain scores: one FMA per element (the scale is positive, so the row
+            # max commutes with it) and no -inf guard: every row sees a finite score here
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
+            m_shift = m_new
+            p = tl.exp2(qk * qk_scale_log2 - m_new[:, None])
+        else:
+            s, _ = scores_log2(qk, qk_scale_log2, softcap_inv_scaled, softcap_log2, SOFTCAP)
+            if HAS_BIAS:
+                bias = load_pair_tile(bias_rows + start_n.to(tl.int64) * stride_bn, local_m,
+                                      offs_n, stride_bm, stride_bn, rows_left,
+                                      seqlen_k - start_n, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                      EVEN_M, EVEN_N)
+                s += bias.to(tl.float32) * LOG2E
+            if PARTIAL:
+                visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
+                                           window_right, HAS_LEFT, HAS_RIGHT)
+                if HAS_MASK:
+                    keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
+                                          offs_n, stride_mm, stride_mn, rows_left,
+                                          seqlen_k - start_n, MASK_ROWS_SHARED,
+                                          MASK_COLS_SHARED, EVEN_M, EVEN_N)
+                    visible = visible & (keep != 0)
+                if HAS_BITS:
+                    visible = visible & block_bits_keep(
+                        bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
+                        USER_BQ, USER_BK, False)
+                s = tl.where(visible, s, float("-inf"))
+            elif not EVEN_N:
+                # a FULL tile of an explicit schedule may still run past Sk
+                s = tl.where(keys[None, :] < seqlen_k, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax denominator counts dropped elements
         if DROPOUT:
             p = tl.where(dropout_keep(rng_seed, rng_base, offs_m, keys, rng_stride, dropout_p,
                                       False), p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -115,7 +131,8 @@ def _fwd_kernel(
     HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
-    REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PLAIN_SCORES: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     if REVERSE_M:
@@ -141,26 +158,43 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    local_m = tl.arange(0, BLOCK_M)
 
     # int64 bases: batch/head/sequence offsets can pass 2**31 elements
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh + row0 * stride_qm
+    # this sequence's first row of q / out
+    q_rows = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+        + first_q.to(tl.int64) * stride_qm
+    o_rows = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
+        + first_q.to(tl.int64) * stride_om
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh \
         + first_k.to(tl.int64) * stride_kn
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh \
         + first_k.to(tl.int64) * stride_vn
-    k_tile = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BN, BD] at key 0
     mask_rows = Mask + off_b.to(tl.int64) * stride_mb \
         + (off_h // mask_head_div).to(tl.int64) * stride_mh + row0 * stride_mm
     bias_rows = Bias + off_b.to(tl.int64) * stride_bb \
         + (off_h // bias_head_div).to(tl.int64) * stride_bh + row0 * stride_bm
-    v_tile = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if TMA:
+        # this sequence's keys only: tiles past its end read 0, not the next sequence
+        k_src = tl.make_tensor_descriptor(k_base, [tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                          [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                          [stride_vn, 1], [BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]  # [BN, BD] at key 0
+        v_src = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
     key_end = row_key_end(RowLens + off_b.to(tl.int64) * stride_rlb + first_q, offs_m, seqlen_q,
                           seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
 
-    q = load_rows(q_base + local_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
-                  offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
+    if TMA:
+        # q and out through descriptors too: the warp-specialised loop miscompiles (unwritten
+        # rows) or fails to compile with pointer loads / stores around it (triton 3.6, H100)
+        q_desc = tl.make_tensor_descriptor(q_rows, [tl.maximum(seqlen_q, 1), HEAD_DIM],
+                                           [stride_qm, 1], [BLOCK_M, BLOCK_D])
+        q = q_desc.load([start_m, 0])  # [BM, BD]
+    else:
+        q = load_rows(q_rows + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
+                      offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -176,19 +210,20 @@ def _fwd_kernel(
         stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
     # phases: PARTIAL tiles, FULL tiles, PARTIAL tiles (the last only for implicit schedules)
     for phase in tl.static_range(3):
-        tile_list, first_tile, num_tiles = schedule_phase(
-            phase, EXPLICIT, KvIdx, kv_num, kv_idx, full_num, full_idx, lo, full_lo, full_hi, hi)
-        acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_tile, v_tile, tile_list, first_tile, num_tiles,
-            offs_m, offs_n, offs_d, stride_kn, stride_vn,
-            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
-            seqlen_k, key_end, diag_offset, window_left, window_right,
-            qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
-            dropout_p, bit_slots, stride_sk, BlockBits,
-            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-            BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
-            DOT_PRECISION)
+        if phase == 1 or not WARP_SPECIALIZE:  # specialised launches are FULL tiles only
+            tile_list, first_tile, num_tiles = schedule_phase(
+                phase, EXPLICIT, KvIdx, kv_num, kv_idx, full_num, full_idx, lo, full_lo, full_hi, hi)
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_src, v_src, tile_list, first_tile, num_tiles,
+                offs_m, offs_n, offs_d, stride_kn, stride_vn,
+                mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
+                seqlen_k, key_end, diag_offset, window_left, window_right,
+                qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
+                dropout_p, bit_slots, stride_sk, BlockBits,
+                EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
+                DOT_PRECISION, TMA, WARP_SPECIALIZE and phase == 1, PLAIN_SCORES)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
@@ -196,20 +231,23 @@ def _fwd_kernel(
         out = out / (1.0 - dropout_p)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
 
-    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh \
-        + row0 * stride_om + local_m[:, None] * stride_om + offs_d[None, :]
     lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + first_q \
         + offs_m
     out = out.to(Out.dtype.element_ty)
     if EVEN_M:
         tl.store(lse_ptrs, lse)
-        if BLOCK_D == HEAD_DIM:
-            tl.store(o_ptrs, out)
-        else:
-            tl.store(o_ptrs, out, mask=offs_d[None, :] < HEAD_DIM)
     else:
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
-        tl.store(o_ptrs, out, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+    if TMA:  # rows past the sequence's end are not written
+        o_desc = tl.make_tensor_descriptor(o_rows, [tl.maximum(seqlen_q, 1), HEAD_DIM],
+                                           [stride_om, 1], [BLOCK_M, BLOCK_D])
+        o_desc.store([start_m, 0], out)
+    else:
+        o_ptrs = o_rows + offs_m[:, None] * stride_om + offs_d[None, :]
+        if EVEN_M and BLOCK_D == HEAD_DIM:
+            tl.store(o_ptrs, out)
+        else:
+            tl.store(o_ptrs, out, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
@@ -229,8 +267,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
-    cfg = forward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
-                         elementwise=mask is not None or bias is not None)
+    out = torch.empty_like(q) if out is None else out
+    if lse is None:
+        lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+    tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
+    masked = args.masked or schedule is not None
+    elementwise = mask is not None or bias is not None
+    cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
+    # the specialised loop runs FULL tiles of plain scores only (dense, no mask, bias, softcap
+    # or dropout); other launches take the tiles tuned without it
+    warp_specialize = cfg.warp_specialize and not masked and not elementwise \
+        and row_lens is None and packed is None and args.softcap == 0 and dropout[0] == 0 \
+        and seqlen_k % cfg.block_n == 0
+    if cfg.warp_specialize and not warp_specialize:
+        cfg = forward_config(head_dim, q.dtype, masked, elementwise)
     block_m, block_n = cfg.block_m, cfg.block_n
     num_warps, num_stages = cfg.num_warps, cfg.num_stages
     if schedule is not None:
@@ -240,43 +290,44 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if dropout[0] > 0:
         # the dropout draws are regrouped through shared memory: one stage less
         num_stages = min(num_stages, DROPOUT_MAX_STAGES)
-    out = torch.empty_like(q) if out is None else out
-    if lse is None:
-        lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
     if k.numel() == 0:  # every row sees no key
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() == 0:
         return out, lse
     n_tiles_m = triton.cdiv(seqlen_q, block_m)
+    even_n = packed is None and seqlen_k % block_n == 0
     sched = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    _fwd_kernel[(n_tiles_m, batch * num_heads)](
-        q, k, v, out, lse,
-        *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out), *lse_strides(lse),
-        *sched,
-        *(mask.operands() if mask is not None else unused),
-        *(bias.operands() if bias is not None else unused),
-        *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
-        *(bits.operands(batch, num_heads) if bits is not None
-          else BlockBits.placeholder_operands(q.device)),
-        seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
-        args.window_left, args.window_right,
-        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
-        HAS_MASK=mask is not None, MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
-        MASK_COLS_SHARED=mask is not None and mask.cols_shared,
-        HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
-        BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
-        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
-        EXPLICIT=schedule is not None,
-        EVEN_M=packed is None and seqlen_q % block_m == 0,
-        EVEN_N=packed is None and seqlen_k % block_n == 0,
-        HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
-        USER_BK=bits.block_k if bits is not None else 1,
-        REVERSE_M=schedule is None and args.has_right and not args.has_left,
-        DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    with descriptor_workspace():
+        _fwd_kernel[(n_tiles_m, batch * num_heads)](
+            q, k, v, out, lse,
+            *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out), *lse_strides(lse),
+            *sched,
+            *(mask.operands() if mask is not None else unused),
+            *(bias.operands() if bias is not None else unused),
+            *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
+            *(bits.operands(batch, num_heads) if bits is not None
+              else BlockBits.placeholder_operands(q.device)),
+            seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
+            args.window_left, args.window_right,
+            args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
+            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+            HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
+            HAS_MASK=mask is not None, MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+            MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+            HAS_BIAS=bias is not None, BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
+            BIAS_COLS_SHARED=bias is not None and bias.cols_shared,
+            HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
+            EXPLICIT=schedule is not None,
+            EVEN_M=packed is None and seqlen_q % block_m == 0,
+            EVEN_N=even_n,
+            HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
+            USER_BK=bits.block_k if bits is not None else 1,
+            REVERSE_M=schedule is None and args.has_right and not args.has_left,
+            DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
+            WARP_SPECIALIZE=warp_specialize,
+            PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return out, lse

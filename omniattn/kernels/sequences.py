@@ -3,9 +3,11 @@ tensors whose sequences start at cu_seqlens (varlen). Kernels see both through t
 arguments: a packed tensor has batch stride 0 and the kernel offsets each sequence's rows."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from triton.runtime import _allocation
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,30 @@ def packed_operands(packed: PackedSequences | None, device: torch.device) -> tup
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
     return packed.cu_seqlens_q, packed.cu_seqlens_k
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and 16-byte multiples for every stride but
+    the (contiguous) last."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if any((stride * size) % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@contextlib.contextmanager
+def descriptor_workspace():
+    """Kernels that build tensor descriptors on the device get their global workspace from
+    torch's allocator during the launch; the caller's own Triton allocator comes back after."""
+    token = _allocation._allocator.set(_workspace)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
