@@ -338,8 +338,10 @@ def attention(
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) offsets of the packed sequences (varlen);
             max_seqlen_q / max_seqlen_k: their longest lengths (computed, with a host sync, if
             None). Each sequence attends only to itself.
-        deterministic: the backward pass is always deterministic (no atomics, fixed reduction
-            order: bitwise-identical gradients run to run); accepted for compatibility.
+        deterministic: the backward pass without atomics: dQ gets programs of its own (which
+            recompute the scores: about 20% slower), every gradient is written once in a fixed
+            order, bitwise-identical run to run. Otherwise the dK/dV programs add their dQ
+            share into an fp32 buffer with atomics (summation order varies by ~1 ulp of fp32).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
@@ -393,7 +395,7 @@ def attention(
         # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
         kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
         out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
-                                    seqlens_k_per_row, packed, (kernel_p, seed))
+                                    seqlens_k_per_row, packed, (kernel_p, seed), deterministic)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),

@@ -32,7 +32,9 @@ def attention_fwd_op(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
     dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor], tiles: list[int],
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); `deterministic` is for the backward pass (kept in the autograd context)."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -44,7 +46,7 @@ def attention_fwd_op(
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-      schedule, tiles):
+      schedule, tiles, deterministic):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
@@ -56,7 +58,7 @@ def attention_bwd_op(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
     window_right: int, dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor],
-    tiles: list[int],
+    tiles: list[int], deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_grad."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
@@ -65,14 +67,15 @@ def attention_bwd_op(
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, args, sched, mask=mask,
                                            bias=bias, bias_grad=bias_grad, dlse=dlse,
                                            row_lens=row_lens, packed=packed,
-                                           dropout=(dropout_p, dropout_seed))
+                                           dropout=(dropout_p, dropout_seed),
+                                           deterministic=deterministic)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left, window_right,
-      dropout_p, dropout_seed, schedule, tiles):
+      dropout_p, dropout_seed, schedule, tiles, deterministic):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -80,7 +83,7 @@ def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, cu_seqlens_
 def _setup_context(ctx, inputs, output):
     (q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
      max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-     schedule, tiles) = inputs
+     schedule, tiles, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q,
                           cu_seqlens_k, *schedule)
@@ -88,6 +91,7 @@ def _setup_context(ctx, inputs, output):
     ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right, dropout_p,
                           dropout_seed)
     ctx.tiles = tiles
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
@@ -96,11 +100,13 @@ def _backward(ctx, dout, dlse):
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = attention_bwd_op(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias,
                                          row_lens, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
-                                         bias_grad, *ctx.kernel_scalars, schedule, ctx.tiles)
+                                         bias_grad, *ctx.kernel_scalars, schedule, ctx.tiles,
+                                         ctx.deterministic)
     # gradients mirror the inputs' structure: a list per tensor list; an int list is one leaf
     # (an empty one a list)
     return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None,
-            None, None, None, None, None, [None] * len(schedule), None if ctx.tiles else [])
+            None, None, None, None, None, [None] * len(schedule), None if ctx.tiles else [],
+            None)
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -109,12 +115,13 @@ attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
                      attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
                      row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                     dropout: tuple[float, int] = (0.0, 0)):
+                     dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False):
     """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too.
-    dropout: (p, seed); the backward pass regenerates the same keep decisions from the seed."""
+    dropout: (p, seed); the backward pass regenerates the same keep decisions from the seed.
+    deterministic: the backward pass without atomics (bitwise-identical gradients)."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
     return attention_fwd_op(q, k, v, attn_mask, attn_bias, row_lens, cu_q, cu_k, max_q, max_k,
                             args.softmax_scale, args.softcap, args.window_left, args.window_right,
-                            *dropout, tensors, tiles)
+                            *dropout, tensors, tiles, deterministic)

@@ -6,6 +6,7 @@ NaN before each launch so an element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -32,7 +33,7 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_kernels(q, k, v, dout, causal=False, window=None, softmax_scale=None, softcap=0.0,
-                schedule=None):
+                schedule=None, deterministic=False):
     """Forward + backward straight through the launchers, into NaN-poisoned buffers."""
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     out = nan_like(q)
@@ -41,17 +42,17 @@ def run_kernels(q, k, v, dout, causal=False, window=None, softmax_scale=None, so
                       schedule.forward if schedule is not None else None, out=out, lse=lse)
     grads = (nan_like(q), nan_like(k), nan_like(v))
     attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, args, schedule,
-                       dq=grads[0], dk=grads[1], dv=grads[2])
+                       deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
     return out, lse, grads
 
 
 def check_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask, softcap=0.0,
-               softmax_scale=None):
+               softmax_scale=None, deterministic=False):
     torch.manual_seed(seqlen_q * 1000 + seqlen_k * 10 + head_dim + heads_k)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
     dout = torch.randn_like(q)
     options = dict(MASKS[mask], softcap=softcap, softmax_scale=softmax_scale)
-    out, lse, grads = run_kernels(q, k, v, dout, **options)
+    out, lse, grads = run_kernels(q, k, v, dout, deterministic=deterministic, **options)
     check_against_reference(out, lse, grads, q, k, v, dout, **options)
 
 
@@ -136,10 +137,31 @@ def test_pointer_loads(monkeypatch, case):
                                   (2, 384, 256, 8, 8, 128, torch.float16, "dense", 0.0),
                                   (1, 1000, 2048, 4, 1, 128, torch.bfloat16, "dense", 0.0)],
                          ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_warp_specialized_forward(case):
-    """Dense launches with Sk a multiple of the key tile take the warp-specialised forward on
-    Hopper (triton 3.6 miscompiled some of its variants into unwritten rows: outputs are poisoned)."""
+def test_tma_dense_tiles(case):
+    """Dense launches of many full 128x128 tiles through tensor descriptors (outputs poisoned:
+    a warp-specialised variant of this loop once left lse rows unwritten)."""
     check_case(*case)
+
+
+DETERMINISTIC_CASES = [(1, 17, 33, 4, 2, 32, torch.float16, "dense", 0.0),
+                       (1, 40, 17, 4, 1, 32, torch.float32, "causal", 0.0),
+                       (1, 23, 37, 2, 2, 32, torch.float16, "window", 5.0)]
+if GPU:
+    DETERMINISTIC_CASES += [(2, 255, 113, 8, 2, 128, torch.bfloat16, "causal", 0.0),
+                            (2, 300, 384, 8, 8, 64, torch.float16, "dense", 0.0),
+                            (1, 113, 255, 4, 1, 256, torch.bfloat16, "causal_window", 0.0)]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES,
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_atomic_and_deterministic_dq(monkeypatch, case, deterministic):
+    """Every backward config set to add dQ with atomics: deterministic=True must still take the
+    dQ programs, False the atomics (on the GPU most tuned configs use the dQ programs)."""
+    for table in (configs._BWD, configs._BWD_FULL_BIAS):
+        for key, cfg in list(table.items()):
+            monkeypatch.setitem(table, key, dataclasses.replace(cfg, atomic_dq=True))
+    check_case(*case, deterministic=deterministic)
 
 
 def test_custom_scale():

@@ -203,8 +203,7 @@ def test_varlen_without_max_seqlen_and_unchecked():
 
 
 def test_backward_is_deterministic():
-    """deterministic=True (the only backward there is): bitwise-identical gradients run to run,
-    dbias included."""
+    """deterministic=True: bitwise-identical gradients run to run, dbias included."""
     seqlen = 200 if GPU else 40
     runs = 10 if GPU else 2
     q, k, v = random_qkv(2, seqlen, seqlen + 9, 4, 2, 64 if GPU else 32, torch.float16)

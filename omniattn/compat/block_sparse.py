@@ -44,7 +44,6 @@ Differences from the original:
   key gets output 0 and lse -inf (the original writes +inf) and zero gradients.
 - return_attn_probs returns (out, softmax_lse, None): probabilities are never materialised (the
   original returns them only when p_dropout > 0, an empty tensor otherwise).
-- the backward pass is always deterministic; `deterministic` is accepted for compatibility.
 """
 from __future__ import annotations
 

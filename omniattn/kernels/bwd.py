@@ -1,7 +1,8 @@
 """Backward: a preprocess (delta = rowsum(dO * O)) then one launch whose first programs compute
 dK/dV for a key tile (walking the transposed schedule over every query head of its KV group, so
-GQA needs neither repeated K/V nor atomics) and whose other programs compute dQ for a query tile
-(walking the forward schedule). Every gradient is written once: the result is deterministic."""
+GQA needs neither repeated K/V nor atomics). dQ either comes from the same programs, added into
+an fp32 buffer with atomics, or (deterministic) from programs of its own that walk the forward
+schedule for a query tile and write every gradient once."""
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,7 @@ def _dkdv_tiles(
     dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
-    bit_col, stride_sq, block_bits,
+    bit_col, stride_sq, block_bits, dq_tile, stride_dqm, softmax_scale,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
@@ -56,13 +57,14 @@ def _dkdv_tiles(
     DBIAS_ACCUMULATE: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Accumulate dK, dV [BN, BD] of one key tile over `num_tiles` query tiles (transposed form:
     scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing.
     mask_cols / bias_cols / dbias_cols point at this key tile's first key (query 0). With DBIAS
     the score gradient goes to dbias: stored per element, or summed over queries into
-    dbias_keys [BN] when the bias has one row for every query."""
+    dbias_keys [BN] when the bias has one row for every query. With ATOMIC_DQ this tile's share
+    of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD] pointers at query 0)."""
     local_n = tl.arange(0, offs_n.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -129,7 +131,16 @@ def _dkdv_tiles(
                                 DBIAS_ACCUMULATE)
         if SOFTCAP:
             ds_t = ds_t * (1.0 - capped_t * capped_t)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        ds_t = ds_t.to(q.dtype)
+        dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
+            dq_ptrs = dq_tile + start_m.to(tl.int64) * stride_dqm  # [BM, BD]
+            if EVEN_M and BLOCK_D == HEAD_DIM:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed",
+                              mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv, dbias_keys
 
 
@@ -210,10 +221,10 @@ def _dq_tiles(
 
 @triton.jit
 def _dkdv_program(
-    tile_n, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
+    tile_n, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
     stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
-    QNum, QIdx, FullQNum, FullQIdx,
+    stride_dqb, stride_dqm, stride_dqh, QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
@@ -230,11 +241,12 @@ def _dkdv_program(
     HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
-    USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
     (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
-    into the slot of KV head `off_hk` when DBIAS_PER_QHEAD is off."""
+    into the slot of KV head `off_hk` when DBIAS_PER_QHEAD is off. With ATOMIC_DQ also each
+    query head's dQ share, added into the fp32 DQ."""
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     local_n = tl.arange(0, BLOCK_N)
@@ -258,6 +270,8 @@ def _dkdv_program(
             + offs_m[:, None] * stride_dom + offs_d[None, :]
         lse_tile = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
         delta_tile = Delta + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        dq_tile = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
+            + offs_m[:, None] * stride_dqm + offs_d[None, :]
         mask_cols = mask_batch + (off_h // mask_head_div).to(tl.int64) * stride_mh \
             + start_n.to(tl.int64) * stride_mn
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
@@ -282,12 +296,13 @@ def _dkdv_program(
                 seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                 qk_scale_log2, softcap_inv_scaled, softcap_log2,
                 rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
-                bit_col, stride_sq, block_bits,
+                bit_col, stride_sq, block_bits, dq_tile, stride_dqm, softmax_scale,
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
                 HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
-                HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION)
+                HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
+                ATOMIC_DQ)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
             if DBIAS_PER_QHEAD or g == group - 1:
@@ -432,7 +447,7 @@ def _bwd_kernel(
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     off_bhk = tl.program_id(1)
@@ -466,16 +481,20 @@ def _bwd_kernel(
     bit_batch = BitSlots + off_b * stride_sb
     # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
     # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
-    # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group)
-    dbias_tiles_in_dq = DBIAS_PER_QHEAD and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED
+    # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group).
+    # With ATOMIC_DQ there are no dQ programs: full biases go to dK/dV (the launcher keeps
+    # biases with one column for all keys off that path).
+    dbias_tiles_in_dq = DBIAS_PER_QHEAD and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED \
+        and not ATOMIC_DQ
     if pid < n_tiles_n:
         if pid * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
             return
         _dkdv_program(
-            pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, k_base, v_base,
+            pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
             stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
             stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            stride_lb, stride_lh, QNum, QIdx, FullQNum, FullQIdx,
+            stride_lb, stride_lh, stride_dqb, stride_dqm, stride_dqh,
+            QNum, QIdx, FullQNum, FullQIdx,
             stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
             stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
@@ -489,7 +508,7 @@ def _bwd_kernel(
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
-            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION)
+            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ)
     else:
         work = pid - n_tiles_n
         if (work % n_tiles_m) * BLOCK_M2 >= seqlen_q:
@@ -556,11 +575,15 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        mask: Elementwise | None = None, bias: Elementwise | None = None,
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
                        row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                       dropout: tuple[float, int] = (0.0, 0), dq=None, dk=None, dv=None):
+                       dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
+                       dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
-    (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated)."""
+    (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated).
+    Not deterministic: the dK/dV programs also add dQ into an fp32 buffer (atomics) and no dQ
+    programs run (5 matmuls per tile pair instead of 7); deterministic: dQ programs of their own
+    write every gradient once."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
@@ -581,6 +604,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     if dropout[0] > 0:
         # the dropout draws are regrouped through shared memory: one stage less
         num_stages = min(num_stages, DROPOUT_MAX_STAGES)
+    # a bias with one column for all keys sums its gradient over keys in the dQ programs
+    atomic_dq = cfg.atomic_dq and not deterministic and not (bias_grad and bias.cols_shared)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -611,12 +636,17 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     dbias_operands = (dbias_buffer, *dbias_strides) if bias_grad else unused[:5]
-    grid = (n_tiles_n + group * n_tiles_m, batch * num_heads_k)
+    dq_sum = dq
+    if atomic_dq:
+        # fp32, laid out like q: the dK/dV programs add their shares
+        dq_sum = dq.zero_() if dq.dtype == torch.float32 else \
+            torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grid = (n_tiles_n + (0 if atomic_dq else group * n_tiles_m), batch * num_heads_k)
     even = packed is None
     _bwd_kernel[grid](
-        q, k, v, dout, lse, delta, dq, dk, dv,
+        q, k, v, dout, lse, delta, dq_sum, dk, dv,
         *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
-        *row_strides(dq), *row_strides(dk), *row_strides(dv), *lse_strides(lse),
+        *row_strides(dq_sum), *row_strides(dk), *row_strides(dv), *lse_strides(lse),
         *fwd_sched, *t_sched,
         *(mask.operands() if mask is not None else unused),
         *(bias.operands() if bias is not None else unused),
@@ -641,7 +671,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
         HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
         USER_BK=bits.block_k if bits is not None else 1,
-        DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        DOT_PRECISION=KernelArgs.dot_precision(q.dtype), ATOMIC_DQ=atomic_dq,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if dq_sum is not dq:
+        dq.copy_(dq_sum)
     return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None

@@ -13,20 +13,20 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Forward tiles: query rows x key columns per program. warp_specialize: the FULL-tile loop
-    runs as a producer warp (TMA loads) and consumer warpgroups; needs TMA."""
+    """Forward tiles: query rows x key columns per program."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)
 class BwdTileConfig:
     """Backward tiles: dK/dV programs hold block_n1 keys and walk block_m1 query rows at a time;
-    dQ programs hold block_m2 queries and walk block_n2 keys at a time."""
+    dQ programs hold block_m2 queries and walk block_n2 keys at a time. atomic_dq: unless the
+    caller asks for determinism, the dK/dV programs add dQ into an fp32 buffer (atomics) and no
+    dQ programs run."""
 
     block_m1: int
     block_n1: int
@@ -34,6 +34,7 @@ class BwdTileConfig:
     block_n2: int
     num_warps: int
     num_stages: int
+    atomic_dq: bool = False
 
 
 def interpreting() -> bool:
@@ -51,7 +52,8 @@ def tma_enabled(device: torch.device) -> bool:
 
 
 _INTERPRETER = TileConfig(16, 16, 1, 1)
-_INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1)
+# the interpreter runs the atomic dQ path (test_deterministic_backward the other one)
+_INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1, atomic_dq=True)
 
 # forward, keyed by (padded head dim, masked = causal or window). Numbers: H200, bf16, H16,
 # 4k (dense B2 / causal B2), benchmarks/tune_tiles.py; D32 has not been swept and follows D64.
@@ -67,12 +69,12 @@ _FWD = {
 }
 # Hopper, q/k/v/out through tensor descriptors (TMA), keyed like _FWD. H100, bf16, B2 H16 4k
 # (D128 dense also B1 H16 16k), scratch sweep at 2026-11-22; "pointers" is _FWD's entry without
-# descriptors. Warp-specialised entries (one producer warp, two 64-row consumer warpgroups) run
-# dense launches only; 3 stages or 128x64 tiles specialised gave NaNs (triton 3.6 miscompiles).
+# descriptors. Warp specialisation (tl.range(warp_specialize=True), 128x128, 4 warps, 2 stages)
+# ran D64 0.393 / D128 0.521 ms but left lse rows unwritten in triton 3.6: not used.
 _FWD_TMA = {
-    (64, False): TileConfig(128, 128, 4, 2, True),  # 0.393 ms; pointers 0.509, (128,128,4,3) 0.437
+    (64, False): TileConfig(128, 128, 4, 3),  # 0.437 ms; pointers 0.509, (128, 128, 8, 3) 0.439
     (64, True): TileConfig(64, 64, 4, 3),  # 0.253 ms; pointers 0.399, (128, 64, 4, 3) 0.379
-    (128, False): TileConfig(128, 128, 4, 2, True),  # 0.521 / 4.06 ms (16k); pointers 0.580 / 4.25
+    (128, False): TileConfig(128, 128, 8, 3),  # 0.547 / 4.29 ms (16k); pointers 0.580 / 4.25
     (128, True): TileConfig(64, 64, 4, 3),  # 0.336 ms; pointers 0.346, (128, 128, 8, 3) 0.378
     (256, False): TileConfig(128, 64, 8, 2),  # 1.149 ms; pointers 1.272, (64,64,4,2) specialised 1.81
     (256, True): TileConfig(64, 64, 4, 3),  # 0.640 ms; pointers 0.730, (128, 64, 8, 2) 0.668
@@ -96,7 +98,10 @@ _FWD_ELEMENTWISE = {
 }
 # a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile
 _BWD_FULL_BIAS = {
-    128: BwdTileConfig(64, 128, 128, 64, 8, 2),  # fwd+bwd 3.64 ms; 3 stages 4.70, 64x64x4w 3.93
+    # dQ added by the dK/dV programs (atomics): the bias is read once, not by both program kinds.
+    # fwd+bwd 3.55 ms vs 4.81 deterministic in the same run (that run was ~20% slower than
+    # earlier ones throughout); 3 stages 4.70, 64x64x4w 3.93 (deterministic, earlier)
+    128: BwdTileConfig(64, 128, 128, 64, 8, 2, atomic_dq=True),
 }
 # dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
 # D128 dense forward asked for 245,760 of 232,448 bytes on the H100

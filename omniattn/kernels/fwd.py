@@ -30,8 +30,7 @@ def _fwd_tiles(
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     DROPOUT: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PLAIN_SCORES: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
     k_src / v_src: tensor descriptors of this sequence's keys / values (TMA) or pointers to
@@ -43,7 +42,7 @@ def _fwd_tiles(
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
         next_tile = tl.load(tile_list)
-    for i in tl.range(num_tiles, warp_specialize=WARP_SPECIALIZE):
+    for i in range(num_tiles):
         if FROM_LIST:
             tile_n = next_tile
             next_tile = tl.load(tile_list + tl.minimum(i + 1, num_tiles - 1))
@@ -132,7 +131,7 @@ def _fwd_kernel(
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PLAIN_SCORES: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     if REVERSE_M:
@@ -187,8 +186,6 @@ def _fwd_kernel(
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
 
     if TMA:
-        # q and out through descriptors too: the warp-specialised loop miscompiles (unwritten
-        # rows) or fails to compile with pointer loads / stores around it (triton 3.6, H100)
         q_desc = tl.make_tensor_descriptor(q_rows, [tl.maximum(seqlen_q, 1), HEAD_DIM],
                                            [stride_qm, 1], [BLOCK_M, BLOCK_D])
         q = q_desc.load([start_m, 0])  # [BM, BD]
@@ -210,20 +207,19 @@ def _fwd_kernel(
         stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
     # phases: PARTIAL tiles, FULL tiles, PARTIAL tiles (the last only for implicit schedules)
     for phase in tl.static_range(3):
-        if phase == 1 or not WARP_SPECIALIZE:  # specialised launches are FULL tiles only
-            tile_list, first_tile, num_tiles = schedule_phase(
-                phase, EXPLICIT, KvIdx, kv_num, kv_idx, full_num, full_idx, lo, full_lo, full_hi, hi)
-            acc, m_i, l_i = _fwd_tiles(
-                acc, m_i, l_i, q, k_src, v_src, tile_list, first_tile, num_tiles,
-                offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
-                seqlen_k, key_end, diag_offset, window_left, window_right,
-                qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
-                dropout_p, bit_slots, stride_sk, BlockBits,
-                EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
-                DOT_PRECISION, TMA, WARP_SPECIALIZE and phase == 1, PLAIN_SCORES)
+        tile_list, first_tile, num_tiles = schedule_phase(
+            phase, EXPLICIT, KvIdx, kv_num, kv_idx, full_num, full_idx, lo, full_lo, full_hi, hi)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_src, v_src, tile_list, first_tile, num_tiles,
+            offs_m, offs_n, offs_d, stride_kn, stride_vn,
+            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
+            seqlen_k, key_end, diag_offset, window_left, window_right,
+            qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
+            dropout_p, bit_slots, stride_sk, BlockBits,
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+            BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
+            DOT_PRECISION, TMA, PLAIN_SCORES)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
@@ -274,13 +270,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     masked = args.masked or schedule is not None
     elementwise = mask is not None or bias is not None
     cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
-    # the specialised loop runs FULL tiles of plain scores only (dense, no mask, bias, softcap
-    # or dropout); other launches take the tiles tuned without it
-    warp_specialize = cfg.warp_specialize and not masked and not elementwise \
-        and row_lens is None and packed is None and args.softcap == 0 and dropout[0] == 0 \
-        and seqlen_k % cfg.block_n == 0
-    if cfg.warp_specialize and not warp_specialize:
-        cfg = forward_config(head_dim, q.dtype, masked, elementwise)
     block_m, block_n = cfg.block_m, cfg.block_n
     num_warps, num_stages = cfg.num_warps, cfg.num_stages
     if schedule is not None:
@@ -326,7 +315,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             USER_BK=bits.block_k if bits is not None else 1,
             REVERSE_M=schedule is None and args.has_right and not args.has_left,
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
-            WARP_SPECIALIZE=warp_specialize,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
             num_warps=num_warps, num_stages=num_stages,
         )
