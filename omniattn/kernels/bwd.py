@@ -539,9 +539,9 @@ def _bwd_kernel(
 def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
-    One slot per query head when the bias has H heads or one column for all keys (those are
-    written by the dQ programs, see _bwd_kernel), else one per KV head: the dK/dV program sums
-    its group in place. Slots and batches the bias broadcasts are summed afterwards. A packed
+    One slot per query head when the bias has H heads or one column for all keys (written by the
+    dQ programs, or by the dK/dV programs when dQ goes through atomics: see _bwd_kernel), else
+    one per KV head: the dK/dV program sums its group in place. Slots and batches the bias broadcasts are summed afterwards. A packed
     bias with a row per query is written once for every sequence (each writes its own rows).
     Returns (buffer, its kernel strides, per_qhead, finish)."""
     bias_batch, bias_heads, rows, cols = bias.tensor.shape
