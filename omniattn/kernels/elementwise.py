@@ -64,6 +64,16 @@ class Elementwise:
     def placeholder_operands(device: torch.device) -> tuple:
         return (torch.zeros(1, dtype=torch.float32, device=device), 0, 0, 0, 0, 1)
 
+    @staticmethod
+    def kernel_flags(mask: "Elementwise | None", bias: "Elementwise | None") -> dict:
+        """The attention kernels' constexprs for an optional mask and bias."""
+        return dict(HAS_MASK=mask is not None,
+                    MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+                    MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+                    HAS_BIAS=bias is not None,
+                    BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
+                    BIAS_COLS_SHARED=bias is not None and bias.cols_shared)
+
 
 @triton.jit
 def _mask_states_kernel(

@@ -251,6 +251,12 @@ class BlockBits:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (dummy, 0, 0, 0, 0, dummy.to(torch.uint8))
 
+    @staticmethod
+    def kernel_flags(bits: "BlockBits | None") -> dict:
+        """The attention kernels' constexprs for optional bitmaps (user block 1x1 without)."""
+        return dict(HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
+                    USER_BK=bits.block_k if bits is not None else 1)
+
 
 @dataclass
 class Schedule:
