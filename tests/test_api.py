@@ -33,18 +33,26 @@ def test_cpu_reference_backend(monkeypatch):
     check_against_reference(out, lse, grads, q, k, v, dout, causal=True, window=(7, -1))
 
 
-def test_lse_gradient():
-    """lse is differentiable: d lse / d s = p enters the backward pass as delta - dlse."""
+@pytest.mark.parametrize("out_in_loss", [True, False])
+def test_lse_gradient(out_in_loss):
+    """lse is differentiable: d lse / d s = p enters the backward pass as delta - dlse; a loss
+    of lse alone leaves the output without a gradient (no dout reaches the backward pass)."""
     torch.manual_seed(3)
     q, k, v = random_qkv(1, 19, 27, 2, 2, 32, torch.float32)
     weights = torch.randn(1, 2, 19, device=DEVICE)
     out, lse = omniattn.attention(q, k, v, causal=True, return_lse=True)
-    loss = (out.double() ** 2).sum() + (lse.double() * weights).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
+    loss = (lse.double() * weights).sum()
+    if out_in_loss:
+        loss = loss + (out.double() ** 2).sum()
+    grads = torch.autograd.grad(loss, (q, k, v) if out_in_loss else (q, k))
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = omniattn.reference.attention_reference(*ref_inputs, causal=True,
                                                               return_lse=True)
-    ref_loss = (ref_out ** 2).sum() + (ref_lse * weights).sum()
+    ref_loss = (ref_lse * weights).sum()
+    if out_in_loss:
+        ref_loss = ref_loss + (ref_out ** 2).sum()
+    else:
+        ref_inputs = ref_inputs[:2]
     for got, ref in zip(grads, torch.autograd.grad(ref_loss, ref_inputs)):
         torch.testing.assert_close(got.double(), ref, atol=2e-4, rtol=1e-3)
 

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
-from .sequences import PackedSequences, packed_operands
+from .sequences import PackedSequences, packed_operands, placeholder
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)
 
@@ -62,7 +62,7 @@ class Elementwise:
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
-        return (torch.zeros(1, dtype=torch.float32, device=device), 0, 0, 0, 0, 1)
+        return (placeholder(device, torch.float32), 0, 0, 0, 0, 1)
 
     @staticmethod
     def kernel_flags(mask: "Elementwise | None", bias: "Elementwise | None") -> dict:

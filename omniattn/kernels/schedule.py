@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .sequences import placeholder
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2  # tile / block states
 
@@ -225,7 +226,7 @@ class TileLists:
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
         """Operands for implicit schedules: never read by the kernels."""
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        dummy = placeholder(device)
         return (dummy, dummy, dummy, dummy) + (0,) * 12
 
 
@@ -248,8 +249,7 @@ class BlockBits:
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (dummy, 0, 0, 0, 0, dummy.to(torch.uint8))
+        return (placeholder(device), 0, 0, 0, 0, placeholder(device, torch.uint8))
 
     @staticmethod
     def kernel_flags(bits: "BlockBits | None") -> dict:

@@ -4,6 +4,7 @@ arguments: a packed tensor has batch stride 0 and the kernel offsets each sequen
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +52,23 @@ def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
 
 
+@functools.lru_cache(maxsize=None)
+def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """One zero element per (device, dtype), made once: the pointer operand of a feature a launch
+    does not use (never read). A fresh tensor per launch cost a fill kernel each."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def row_lens_operands(row_lens: torch.Tensor | None, device: torch.device) -> tuple:
     """(tensor, batch stride) of per-row key lengths: int32 (B, Sq), or (total_q,) packed."""
     if row_lens is None:
-        return torch.zeros(1, dtype=torch.int32, device=device), 0
+        return placeholder(device), 0
     return row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0
 
 
 def packed_operands(packed: PackedSequences | None, device: torch.device) -> tuple:
     if packed is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return dummy, dummy
+        return placeholder(device), placeholder(device)
     return packed.cu_seqlens_q, packed.cu_seqlens_k
 
 
