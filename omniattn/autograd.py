@@ -147,6 +147,22 @@ class _EagerAttention(torch.autograd.Function):
         return (dq, dk, dv, None, dbias) + (None,) * 14
 
 
+class RowPermutation(torch.autograd.Function):
+    """x (B, S, ...) with its B * S rows taken in `order` (flat row indices); the gradient goes
+    back through `inverse` (a gather again, not a scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.reshape(-1, *x.shape[2:]).index_select(0, order).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.reshape(-1, *grad.shape[2:]).index_select(0, inverse).view(grad.shape), \
+            None, None
+
+
 def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
                      attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
                      row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,

@@ -24,6 +24,7 @@ import torch
 import triton
 
 import omniattn
+from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import forward_config, interpreting
 
 MODES = ("fwd", "fwd+bwd")
@@ -499,16 +500,19 @@ def element_mask_pairs(keep: torch.Tensor, causal: bool, block_m: int,
     return pairs, exact, active.count_nonzero().item() / active.numel()
 
 
-def row_lengths_pairs(row_lens: torch.Tensor, seqlen_k: int, block_m: int,
-                      block_n: int) -> tuple[float, float, float]:
+def row_lengths_pairs(row_lens: torch.Tensor, seqlen_k: int, block_m: int, block_n: int,
+                      grouped: bool = False) -> tuple[float, float, float]:
     """(pairs, visible, active_tile_fraction) of per-row key lengths (B, Sq), row i of batch b
     seeing keys [0, min(lengths[b, i], Sk)): the (query, key) pairs inside the (block_m x
     block_n) tiles holding at least one visible element (query tile m visits the key tiles
     below cdiv(its longest row, block_n): the tiles the forward kernel visits), each tile
-    clipped to (Sq, Sk); the visible elements; the fraction of all tiles so visited. Pairs per
-    batch (heads share the lengths), averaged over the batches. O(B * Sq) memory, on the
-    lengths' device: no (Sq, Sk) picture."""
+    clipped to (Sq, Sk); the visible elements; the fraction of all tiles so visited. grouped:
+    the rows are tiled longest first, as omniattn.attention runs lengths alone (see
+    groups_rows_by_length). Pairs per batch (heads share the lengths), averaged over the
+    batches. O(B * Sq) memory, on the lengths' device: no (Sq, Sk) picture."""
     lens = row_lens.to(torch.int64).clamp(0, seqlen_k)
+    if grouped:
+        lens = lens.sort(dim=-1, descending=True).values
     batch, seqlen_q = lens.shape
     n_q, n_k = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
     # padding rows see no key
@@ -604,7 +608,10 @@ def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float 
         # per-row lengths alone keep the dense tiles (128 x 128 at D128 bf16 on the GPU), as
         # omniattn.attention picks them
         tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
-        return row_lengths_pairs(extra.row_lens, workload.seqlen_k, tile.block_m, tile.block_n)
+        grouped = not workload.causal and groups_rows_by_length(
+            workload.seqlen_q, workload.head_dim, workload.dtype)
+        return row_lengths_pairs(extra.row_lens, workload.seqlen_k, tile.block_m, tile.block_n,
+                                 grouped)
     tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
     pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, tile.block_m,
                            tile.block_n)

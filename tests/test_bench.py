@@ -88,18 +88,21 @@ def _length_mask(lens: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     return keep
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("seq_lengths, tile", [((64, 64), (16, 32)), ((40, 56), (16, 32)),
                                                ((50, 33), (32, 16)), ((7, 100), (16, 16))])
-def test_row_lengths_pairs_match_brute_force(seq_lengths, tile):
+def test_row_lengths_pairs_match_brute_force(seq_lengths, tile, grouped):
+    """grouped: the rows are tiled longest first (as attention runs lengths alone)."""
     seqlen_q, seqlen_k = seq_lengths
     generator = torch.Generator().manual_seed(3)
     # skewed towards short rows, so that some key tiles see no row
     lens = (torch.rand((2, seqlen_q), generator=generator) ** 3 * (seqlen_k + 1)).to(torch.int32)
     lens[1, :16] = 0  # a query tile that sees no key (the whole tile for 16-row tiles)
     lens[0, 0], lens[1, -1] = 0, seqlen_k  # the ends of the range
-    counts = bench.row_lengths_pairs(lens, seqlen_k, *tile)
-    assert counts == pytest.approx(_brute_force_element_pairs(_length_mask(lens, seqlen_k), False,
-                                                              *tile))
+    counts = bench.row_lengths_pairs(lens, seqlen_k, *tile, grouped=grouped)
+    tiled = lens.sort(dim=-1, descending=True).values if grouped else lens
+    assert counts == pytest.approx(_brute_force_element_pairs(_length_mask(tiled, seqlen_k),
+                                                              False, *tile))
     assert counts[1] == sum(min(int(n), seqlen_k) for n in lens.flatten()) / 2
     assert 0 < counts[2] < 1
 

@@ -7,6 +7,8 @@ element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,6 +82,29 @@ def test_structured_lengths():
     lens = torch.stack([(rows + 1).clamp(max=seqlen_k), (seqlen_k - 2 * rows).clamp(min=0),
                         torch.full_like(rows, seqlen_k), torch.zeros_like(rows)]).to(DEVICE)
     run_rows(4, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, lens)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_lengths_alone_group_rows(monkeypatch, deterministic):
+    """Lengths as the only mask: attention reorders the rows by length and the kernels take each
+    tile's range from the lengths (no lists). Both dQ paths (atomics switched on everywhere:
+    deterministic=True must keep the dQ programs), GQA, rows of length 0 and Sk, a length
+    shared by many rows, a last query tile cut short."""
+    from omniattn.kernels import configs
+
+    for key, cfg in list(configs._BWD.items()):
+        monkeypatch.setitem(configs._BWD, key, dataclasses.replace(cfg, atomic_dq=True))
+    seqlen_q, seqlen_k = 45 * SCALE, 38 * SCALE
+    assert omniattn.api.groups_rows_by_length(seqlen_q, 32, torch.float16)
+    lens = random_row_lens(2, seqlen_q, seqlen_k, seed=11)
+    lens[1, 5:20] = seqlen_k // 3
+    torch.manual_seed(12)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, seqlens_k_per_row=lens, deterministic=deterministic,
+                                  return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, seqlens_k_per_row=lens)
 
 
 def test_row_lengths_with_mask_bias_and_block_mask():

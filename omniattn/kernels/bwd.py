@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range,
-                     load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
-                     scores_log2, sequence_bounds, store_pair_tile, visible_elements)
+                     length_kv_range, length_q_range, load_pair_tile, load_rows, row_key_end,
+                     schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
+                     visible_elements)
 from .configs import DROPOUT_MAX_STAGES, backward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
@@ -242,6 +243,7 @@ def _dkdv_program(
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    LENGTH_RANGES: tl.constexpr,
 ):
     """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
     (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
@@ -262,6 +264,9 @@ def _dkdv_program(
     lo, full_lo, full_hi, hi = implicit_q_range(
         start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if LENGTH_RANGES:
+        lo, full_lo, full_hi, hi = length_q_range(lo, full_lo, full_hi, hi, row_lens, seqlen_q,
+                                                  seqlen_k, start_n, BLOCK_M, BLOCK_N, 1024)
     for g in range(group):
         off_h = off_hk * group + g
         q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
@@ -342,6 +347,7 @@ def _dq_program(
     DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr,
     USER_BQ: tl.constexpr, USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LENGTH_RANGES: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
     every key) also its dbias rows, with DBIAS_TILES (a full bias per query head) its dbias
@@ -376,6 +382,9 @@ def _dq_program(
     lo, full_lo, full_hi, hi = implicit_kv_range(
         start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if LENGTH_RANGES:
+        lo, full_lo, full_hi, hi = length_kv_range(lo, full_lo, full_hi, hi, key_end, offs_m,
+                                                   seqlen_q, seqlen_k, BLOCK_N)
     part_num, part_idx, full_num, full_idx = schedule_rows(
         KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
         stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
@@ -447,7 +456,7 @@ def _bwd_kernel(
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, LENGTH_RANGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     off_bhk = tl.program_id(1)
@@ -508,7 +517,8 @@ def _bwd_kernel(
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
-            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ)
+            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ,
+            LENGTH_RANGES)
     else:
         work = pid - n_tiles_n
         if (work % n_tiles_m) * BLOCK_M2 >= seqlen_q:
@@ -533,7 +543,7 @@ def _bwd_kernel(
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
             DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
-            DOT_PRECISION)
+            DOT_PRECISION, LENGTH_RANGES)
 
 
 def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int):
@@ -581,7 +591,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
     (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated).
-    Not deterministic: the dK/dV programs also add dQ into an fp32 buffer (atomics) and no dQ
+    row_lens without a schedule: as in attention_forward, sorted longest first within each batch
+    (a key tile's rows are then a prefix). Not deterministic: the dK/dV programs also add dQ into an fp32 buffer (atomics) and no dQ
     programs run (5 matmuls per tile pair instead of 7); deterministic: dQ programs of their own
     write every gradient once."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
@@ -668,6 +679,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
         **BlockBits.kernel_flags(bits),
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype), ATOMIC_DQ=atomic_dq,
+        LENGTH_RANGES=row_lens is not None and schedule is None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if dq_sum is not dq:

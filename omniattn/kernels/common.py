@@ -205,6 +205,44 @@ def implicit_q_range(
 
 
 @triton.jit
+def clip_ranges(lo, full_lo, full_hi, hi, full_end, end):
+    """Implicit (lo, full_lo, full_hi, hi) ranges narrowed by the per-row key lengths: tiles from
+    `end` on are seen by no row of this tile (dropped), FULL tiles from `full_end` on by only
+    some (PARTIAL: they join the last phase)."""
+    hi = tl.maximum(tl.minimum(hi, end), lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.maximum(tl.minimum(tl.minimum(full_hi, full_end), hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def length_kv_range(lo, full_lo, full_hi, hi, key_end, rows, seqlen_q, seqlen_k,
+                    BLOCK_N: tl.constexpr):
+    """Key-tile ranges of a query tile narrowed to its rows' key lengths (key_end [BM]): FULL up
+    to its shortest row, PARTIAL up to its longest, nothing past it."""
+    longest = tl.max(key_end, 0)  # rows past Sq end at 0
+    shortest = tl.min(tl.where(rows < seqlen_q, key_end, seqlen_k), 0)
+    return clip_ranges(lo, full_lo, full_hi, hi, shortest // BLOCK_N, tl.cdiv(longest, BLOCK_N))
+
+
+@triton.jit
+def length_q_range(lo, full_lo, full_hi, hi, row_lens, seqlen_q, seqlen_k, start_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Query-tile ranges of key tile [start_n, start_n + BN) narrowed to the rows' key lengths,
+    for rows sorted by length, longest first: the rows that reach the tile are a prefix, and so
+    are those that see all of it. One pass over the lengths (CHUNK at a time), no search."""
+    key_hi = tl.minimum(start_n + BLOCK_N, seqlen_k)
+    reaching = 0
+    covering = 0
+    for first in range(0, seqlen_q, CHUNK):
+        rows = first + tl.arange(0, CHUNK)
+        lens = tl.minimum(tl.load(row_lens + rows, mask=rows < seqlen_q, other=0), seqlen_k)
+        reaching += tl.sum((lens > start_n).to(tl.int32), 0)
+        covering += tl.sum((lens >= key_hi).to(tl.int32), 0)
+    return clip_ranges(lo, full_lo, full_hi, hi, covering // BLOCK_M, tl.cdiv(reaching, BLOCK_M))
+
+
+@triton.jit
 def schedule_phase(
     phase: tl.constexpr, EXPLICIT: tl.constexpr, placeholder, part_num, part_idx, full_num,
     full_idx, lo, full_lo, full_hi, hi,

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, load_pair_tile,
-                     load_rows, row_key_end, schedule_phase, schedule_rows, scores_log2,
-                     sequence_bounds, visible_elements)
+from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
+                     load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
+                     scores_log2, sequence_bounds, visible_elements)
 from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, TileLists
@@ -131,7 +131,7 @@ def _fwd_kernel(
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr, LENGTH_RANGES: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     if REVERSE_M:
@@ -201,6 +201,9 @@ def _fwd_kernel(
     lo, full_lo, full_hi, hi = implicit_kv_range(
         start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if LENGTH_RANGES:
+        lo, full_lo, full_hi, hi = length_kv_range(lo, full_lo, full_hi, hi, key_end, offs_m,
+                                                   seqlen_q, seqlen_k, BLOCK_N)
     kv_num, kv_idx, full_num, full_idx = schedule_rows(
         KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
         stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
@@ -258,6 +261,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
     the block mask's element bitmaps `bits` and the per-row key lengths row_lens (int32 (B, Sq)
     or packed (total_q,)) are applied in its PARTIAL tiles, the bias in every visited tile.
+    row_lens without a schedule (not packed): each query tile's key range comes from its rows'
+    lengths, which the backward pass needs sorted longest first within each batch.
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
@@ -312,6 +317,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             REVERSE_M=schedule is None and args.has_right and not args.has_left,
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
+            LENGTH_RANGES=row_lens is not None and schedule is None,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out, lse
