@@ -215,11 +215,13 @@ def _kernel_tile(block: int, preferred: int) -> int:
 
 
 def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=None,
-                       row_lens=None, packed: PackedSequences | None = None):
+                       row_lens=None, packed: PackedSequences | None = None,
+                       backward: bool = True):
     """Schedule of a block mask, an element mask and/or per-row key lengths, each pass at its
     own tiles, and the kernel arguments whose predicate its PARTIAL tiles apply (attention's
     ANDed with the block mask's). Element-exact tile states (the mask's pre-pass, the lengths'
-    min/max per tile) are computed once, at the finest tile any pass uses, and ANDed."""
+    min/max per tile) are computed once, at the finest tile any pass uses, and ANDed.
+    backward=False (no gradient will flow): lists built per call are built for the forward only."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
     _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     outer_args = args
@@ -263,7 +265,7 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
             else torch.minimum(element_states, by_length)  # AND of states
     if block_mask is None:
         schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, num_heads,
-                                   outer_args, *tiles, packed=packed)
+                                   outer_args, *tiles, packed=packed, backward=backward)
     elif element_states is None and packed is None:
         schedule = block_mask.kernel_schedule(*tiles, outer, num_heads)
     else:
@@ -419,8 +421,10 @@ def attention(
         explicit_lengths = seqlens_k_per_row is not None and row_order is None
         if (block_mask is not None or attn_mask is not None or explicit_lengths) \
                 and q.numel() and k.numel():
+            needs_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, attn_bias))
             schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
-                                                seqlens_k_per_row, packed)
+                                                seqlens_k_per_row, packed, backward=needs_grad)
         # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes
         # the dropout pattern reproducible, and drawing it needs no device sync
         seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0

@@ -191,6 +191,30 @@ def test_mask_tile_skipping():
                             torch.zeros_like(q), attn_mask=keep[..., : 2 * tile.block_n])
 
 
+def test_forward_without_gradients():
+    """No gradient will flow (no_grad, or no input requiring one): only the forward's lists are
+    built, and the output is the one a differentiable call gives."""
+    from omniattn.api import _explicit_schedule
+    from omniattn.kernels.schedule import KernelArgs
+
+    seqlen = 300 if GPU else 40
+    q, k, v = random_qkv(2, seqlen, seqlen + 7, 4, 2, 32, torch.float16)
+    generator = torch.Generator().manual_seed(6)
+    keep = (torch.rand(2, 1, seqlen, seqlen + 7, generator=generator) < 0.7).to(DEVICE)
+    bias = torch.randn(2, 4, 1, seqlen + 7, generator=generator).to(DEVICE, torch.float16)
+    args = KernelArgs.make(32, True, None, None, 0.0)
+    schedule, _ = _explicit_schedule(q, k, args, None, keep, bias, backward=False)
+    assert schedule.dq.indices is schedule.forward.indices
+    assert schedule.dkdv.indices is schedule.forward.indices
+    with torch.no_grad():
+        out, lse = omniattn.attention(q, k, v, causal=True, attn_mask=keep, attn_bias=bias,
+                                      return_lse=True)
+    assert torch.equal(out, omniattn.attention(q, k, v, causal=True, attn_mask=keep,
+                                               attn_bias=bias))
+    check_against_reference(out, lse, None, q, k, v, torch.zeros_like(q), causal=True,
+                            attn_mask=keep, attn_bias=bias)
+
+
 def exact_tile_states(visible: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
     """int8 (..., nQ, nK) of a dense bool (..., Sq, Sk): FULL all visible, HIDDEN none."""
     seqlen_q, seqlen_k = visible.shape[-2:]

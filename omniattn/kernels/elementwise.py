@@ -268,12 +268,15 @@ def fine_tile_of(*tiles: tuple[int, int]) -> tuple[int, int]:
 def states_schedule(fine: torch.Tensor, fine_tile: tuple[int, int], seqlen_q: int, seqlen_k: int,
                     num_heads: int, args: KernelArgs, forward_tile: tuple[int, int],
                     dq_tile: tuple[int, int], dkdv_tile: tuple[int, int],
-                    packed: PackedSequences | None = None) -> Schedule:
+                    packed: PackedSequences | None = None, backward: bool = True) -> Schedule:
     """Each pass's lists from element-exact tile states `fine` (B|1, Hs, n|1, n|1) at
-    `fine_tile`, ANDed with causal / window: one list-builder launch per distinct tile."""
+    `fine_tile`, ANDed with causal / window: one list-builder launch per distinct tile.
+    backward=False: the forward's lists only (Schedule.forward_only)."""
     build = functools.partial(_mask_lists, fine, fine_tile, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                               num_heads=num_heads, args=args, packed=packed)
     forward = build(forward_tile, False)
+    if not backward:
+        return Schedule.forward_only(forward)
     dq = forward if dq_tile == forward_tile else build(dq_tile, False)
     return Schedule(forward, dq, build(dkdv_tile, True))
 

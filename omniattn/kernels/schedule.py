@@ -294,6 +294,12 @@ class Schedule:
                         bits)
 
     @staticmethod
+    def forward_only(forward: TileLists, bits: BlockBits | None = None) -> "Schedule":
+        """For a call no gradient flows through: the backward passes' lists are not built (two
+        list-builder launches less per call); their slots hold the forward's, never walked."""
+        return Schedule(forward, forward, forward, bits)
+
+    @staticmethod
     def from_blocks(block_m: int, block_n: int, partial: torch.Tensor,
                     full: torch.Tensor | None = None) -> "Schedule":
         """One tile size for every pass, from dense bool block pictures (B|1, H|1, nQ, nK)."""
