@@ -232,17 +232,18 @@ def exact_tile_states(visible: torch.Tensor, block_m: int, block_n: int) -> torc
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (20, 7))],
                          ids=["dense", "causal", "window"])
 @pytest.mark.parametrize("form", ["bhqs", "b11s", "1kq1"])
-def test_mask_schedule_is_sound(form, causal, window):
+@pytest.mark.parametrize("lengths", [(70, 90), (64, 96)], ids=["ragged", "even"])
+def test_mask_schedule_is_sound(form, causal, window, lengths):
     """The device-built lists (pre-pass + list builder, tiles coarser than the pre-pass's): a
     listed FULL tile has every element visible, an unlisted tile none, and every tile whose
     elements are all visible is FULL (up to the ragged last tile of the listed dimension, which
-    the kernels treat as PARTIAL)."""
+    the kernels treat as PARTIAL). Even lengths: the pre-pass reads whole tiles unmasked."""
     from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states,
                                               states_schedule)
     from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
     from test_schedule import predicate
 
-    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 70, 90
+    (batch, heads, heads_k), (seqlen_q, seqlen_k) = (2, 4, 2), lengths
     generator = torch.Generator().manual_seed(len(form) + causal)
     shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
     mask = make_mask(shape, torch.bool, generator, keep_fraction=0.97)

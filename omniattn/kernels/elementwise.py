@@ -82,12 +82,13 @@ def _mask_states_kernel(
     diag_offset, window_left, window_right, CuSeqlensQ, CuSeqlensK,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, ROWS_SHARED: tl.constexpr, COLS_SHARED: tl.constexpr,
-    VARLEN: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
+    VARLEN: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, EVEN: tl.constexpr,
 ):
     """States of TILES_PER_PROGRAM (mask batch, mask head, query tile, key tile) tiles: HIDDEN if
     no element is kept, FULL if all in-bounds ones are, else PARTIAL. Tiles that causal/window
     hide are HIDDEN without a read. VARLEN: batch = packed sequence, tiles count from its first
-    row and key, elements past its lengths are out of bounds."""
+    row and key, elements past its lengths are out of bounds. EVEN: every tile lies inside the
+    mask (unmasked loads vectorise; masked ones read a byte at a time)."""
     tile_m = tl.program_id(1)
     off_b = tl.program_id(2) // num_heads
     off_h = tl.program_id(2) % num_heads
@@ -117,11 +118,16 @@ def _mask_states_kernel(
             state = tl.zeros([], tl.int32) + _HIDDEN
             if (tile_n >= lo) & (tile_n < hi):
                 start_n = tile_n * BLOCK_N
-                inside = rows_inside & (offs_n[None, :] < mask_cols - start_n)  # [BM, BN]
-                keep = tl.load(row_base + start_n.to(tl.int64) * stride_mn
-                               + offs_n[None, :] * stride_mn, mask=inside, other=0) != 0
+                tile_ptrs = row_base + start_n.to(tl.int64) * stride_mn \
+                    + offs_n[None, :] * stride_mn  # [BM, BN]
+                if EVEN:
+                    keep = tl.load(tile_ptrs) != 0
+                    n_inside = BLOCK_M * BLOCK_N
+                else:
+                    inside = rows_inside & (offs_n[None, :] < mask_cols - start_n)  # [BM, BN]
+                    keep = tl.load(tile_ptrs, mask=inside, other=0) != 0
+                    n_inside = tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
                 n_kept = tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
-                n_inside = tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
                 state = tl.where(n_kept == 0, _HIDDEN,
                                  tl.where(n_kept == n_inside, _FULL, _PARTIAL))
             tl.store(states + tile_n, state.to(tl.int8))
@@ -148,6 +154,8 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right,
         ROWS_SHARED=mask.rows_shared, COLS_SHARED=mask.cols_shared, VARLEN=packed is not None,
         TILES_PER_PROGRAM=tiles_per_program,
+        EVEN=packed is None and rows % block_m == 0 and cols % block_n == 0 and
+        not mask.rows_shared and not mask.cols_shared,
     )
     return states
 
