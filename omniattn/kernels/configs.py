@@ -79,7 +79,9 @@ _FWD_TMA = {
     (256, False): TileConfig(128, 64, 8, 2),  # 1.149 ms; pointers 1.272, (64,64,4,2) specialised 1.81
     (256, True): TileConfig(64, 64, 4, 3),  # 0.640 ms; pointers 0.730, (128, 64, 8, 2) 0.668
 }
-# backward, keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages)
+# backward, keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages). Pointer
+# loads: through tensor descriptors (and dQ by TMA reduce-add) the H100 took 1.914 vs 1.733 ms
+# dense 4k, 1.046 vs 0.967 causal (benchmarks/NOTES.md)
 _BWD = {
     (32, False): BwdTileConfig(32, 64, 64, 32, 4, 3),
     (32, True): BwdTileConfig(32, 64, 64, 32, 4, 3),
