@@ -592,9 +592,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
     (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated).
     row_lens without a schedule: as in attention_forward, sorted longest first within each batch
-    (a key tile's rows are then a prefix). Not deterministic: the dK/dV programs also add dQ into an fp32 buffer (atomics) and no dQ
-    programs run (5 matmuls per tile pair instead of 7); deterministic: dQ programs of their own
-    write every gradient once."""
+    (a key tile's rows are then a prefix). Not deterministic: the dK/dV programs also add dQ into
+    an fp32 buffer (atomics) and no dQ programs run (5 matmuls per tile pair instead of 7);
+    deterministic: dQ programs of their own write every gradient once."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
