@@ -84,6 +84,17 @@ def test_structured_lengths():
     run_rows(4, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, lens)
 
 
+def test_length_order():
+    """Rows grouped per batch (batch-major), longest first, lengths past Sk counting as Sk,
+    equal lengths in their own order; the inverse undoes the order."""
+    from omniattn.api import _length_order
+
+    lens = torch.tensor([[3, 0, 7, 3], [1, 9, 9, 2]], dtype=torch.int32, device=DEVICE)
+    order, inverse = _length_order(lens, 8)
+    assert order.tolist() == [2, 0, 3, 1, 5, 6, 7, 4]
+    assert inverse[order].tolist() == list(range(8))
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_lengths_alone_group_rows(monkeypatch, deterministic):
     """Lengths as the only mask: attention reorders the rows by length and the kernels take each
