@@ -821,11 +821,12 @@ def _rows_notes(results: list[dict]) -> list[str]:
     return lines
 
 
-def plot_results(results: list[dict], path: str | Path) -> None:
+def plot_results(results: list[dict], path: str | Path, device: str | None = None) -> None:
     """PNG at `path`, one column per mode: time (ms) against density for the sparse rows, one
     line per provider (top), and TFLOP/s of the other rows as bars grouped by workload (bottom).
-    Rows without a time (errors) are left out. Needs matplotlib (imported here, not with the
-    module); raises ValueError if no row has a time."""
+    Rows without a time (errors) are left out. `device` names the GPU in the title (default: this
+    machine's). Needs matplotlib (imported here, not with the module); raises ValueError if no
+    row has a time."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     timed = [r for r in results if r["ms"] is not None]
@@ -845,7 +846,7 @@ def plot_results(results: list[dict], path: str | Path) -> None:
                 draw(ax, mode_rows, mode)
             else:  # every run of this mode failed
                 ax.set_visible(False)
-    fig.suptitle(f"{_header(results)} ({device_name()})")
+    fig.suptitle(f"{_header(results)} ({device or device_name()})")
     fig.savefig(path, dpi=120)
 
 
@@ -887,6 +888,21 @@ def _plot_tflops_bars(ax, rows: list[dict], mode: str) -> None:
     ax.set_ylabel("TFLOP/s")
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
+
+
+def load_records(paths: list[str | Path]) -> tuple[list[dict], str]:
+    """The results of records written by write_json (`omniattn bench --json`), concatenated,
+    and the device they were measured on. Raises ValueError for records of different devices."""
+    results, devices = [], []
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        results += record["results"]
+        devices.append(record["environment"]["device"])
+    if len(set(devices)) > 1:
+        raise ValueError(f"records of different devices cannot share a plot: "
+                         f"{dict(zip(map(str, paths), devices))}")
+    return results, devices[0]
 
 
 def write_json(path: str | Path, results: list[dict]) -> None:

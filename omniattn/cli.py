@@ -1,4 +1,5 @@
-"""`omniattn` command line: `bench` (speed), `check` (correctness), `info` (environment)."""
+"""`omniattn` command line: `bench` (speed), `plot` (a PNG of saved records), `check`
+(correctness), `info` (environment)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import triton
 
 import omniattn
 from omniattn.bench import (MODES, PROVIDERS, SUITES, default_workloads, device_name,
-                            format_table, plot_results, run_suite, write_json)
+                            format_table, load_records, plot_results, run_suite, write_json)
 from omniattn.kernels.configs import interpreting
 from omniattn.reference import attention_reference
 
@@ -55,16 +56,32 @@ def run_bench(args: argparse.Namespace) -> int:
         write_json(args.json, results)
         print(f"\nwrote {args.json}")
     if args.plot:
-        if importlib.util.find_spec("matplotlib") is None:
-            print(f"\n--plot needs matplotlib (pip install matplotlib, or the [bench] extra); "
-                  f"{args.plot} not written")
-        else:
-            try:
-                plot_results(results, args.plot)
-                print(f"\nwrote {args.plot}")
-            except ValueError as exc:
-                print(f"\n{args.plot} not written: {exc}")
+        _write_plot(results, args.plot)
     return 0
+
+
+def _write_plot(results: list[dict], path: str, device: str | None = None) -> bool:
+    """plot_results, or a line saying why the PNG was not written."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"\nplots need matplotlib (pip install matplotlib, or the [bench] extra); {path} "
+              f"not written")
+        return False
+    try:
+        plot_results(results, path, device)
+    except ValueError as exc:
+        print(f"\n{path} not written: {exc}")
+        return False
+    print(f"\nwrote {path}")
+    return True
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    try:
+        results, device = load_records(args.records)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"cannot read the records: {exc!r}")
+        return 2
+    return 0 if _write_plot(results, args.out, device) else 1
 
 
 # name, batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal
@@ -191,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                               help=f"comma-separated, from {','.join(MODES)} (default: both)")
     bench_parser.set_defaults(handler=run_bench)
 
+    plot_parser = commands.add_parser(
+        "plot", help="draw the PNG of records written by bench --json (no GPU needed)")
+    plot_parser.add_argument("records", nargs="+", metavar="RECORD",
+                             help="JSON records of one device, e.g. benchmarks/results/*.json")
+    plot_parser.add_argument("--out", metavar="PATH", required=True, help="the PNG to write")
+    plot_parser.set_defaults(handler=run_plot)
     commands.add_parser(
         "check", help="compare output and gradients with the float64 reference"
     ).set_defaults(handler=run_check)

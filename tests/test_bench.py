@@ -405,6 +405,32 @@ def test_plot_writes_png(tiny_results, tmp_path):
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_load_records_and_plot_command(tiny_results, tmp_path, monkeypatch, capsys):
+    """`omniattn plot` draws saved records of one device (its name in the title), refuses
+    records of two devices, and says so when matplotlib is missing."""
+    from omniattn import cli
+
+    first, second, other = (tmp_path / name for name in ("a.json", "b.json", "c.json"))
+    bench.write_json(first, tiny_results[:4])
+    bench.write_json(second, tiny_results[4:])
+    results, device = bench.load_records([first, second])
+    assert results == tiny_results and device == bench.device_name()
+    record = json.loads(first.read_text())
+    record["environment"]["device"] = "NVIDIA H100 80GB HBM3"
+    other.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="different devices"):
+        bench.load_records([first, other])
+    assert cli.main(["plot", str(first), str(other), "--out", str(tmp_path / "x.png")]) == 2
+    drawn = []
+    monkeypatch.setattr(cli, "plot_results", lambda *args: drawn.append(args))
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())  # "installed"
+    assert cli.main(["plot", str(other), "--out", "out.png"]) == 0
+    assert drawn[0][1:] == ("out.png", "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["plot", str(other), "--out", "out.png"]) == 1
+    assert "plots need matplotlib" in capsys.readouterr().out
+
+
 def test_cli_bench_suite_option(monkeypatch, capsys):
     from omniattn import cli
 
@@ -427,4 +453,4 @@ def test_cli_bench_suite_option(monkeypatch, capsys):
     # without matplotlib, --plot says so and the run still succeeds
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     assert cli.main(["bench", "--suite", "gqa", "--plot", "out.png"]) == 0
-    assert "--plot needs matplotlib" in capsys.readouterr().out
+    assert "plots need matplotlib" in capsys.readouterr().out
