@@ -284,14 +284,14 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
 
 
 def groups_rows_by_length(seqlen_q: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether per-row key lengths as the only mask (no causal / window / other mask, bias,
-    dropout or packing) run with each batch's query rows reordered by length, longest first: a
-    query tile then holds rows of similar lengths, so it is FULL up to its shortest row and
+    """Whether a call whose only mask is per-row key lengths (no causal / window / other mask,
+    bias, dropout or packing: the caller's condition) runs with each batch's query rows reordered
+    by length, longest first; this function adds the size condition (two query tiles or more).
+    A query tile then holds rows of similar lengths, so it is FULL up to its shortest row and
     skips every key tile past its longest, where rows in their own order leave almost every
     tile PARTIAL (uniform lengths: H100 8k fwd 2.54 -> 1.29 ms of kernels, about half the tiles
     visited). Rows are independent given K and V, so the result is the same; the kernels then
-    take each tile's key range from the lengths (no schedule lists). Worth it from two query
-    tiles on."""
+    take each tile's key range from the lengths (no schedule lists)."""
     return seqlen_q > forward_config(head_dim, dtype).block_m
 
 
