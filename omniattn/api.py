@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .autograd import RowPermutation, triton_attention
+from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
                                   states_schedule)
@@ -291,19 +291,17 @@ def groups_rows_by_length(seqlen_q: int, head_dim: int, dtype: torch.dtype) -> b
     skips every key tile past its longest, where rows in their own order leave almost every
     tile PARTIAL (uniform lengths: H100 8k fwd 2.54 -> 1.29 ms of kernels, about half the tiles
     visited). Rows are independent given K and V, so the result is the same; the kernels then
-    take each tile's key range from the lengths (no schedule lists)."""
+    take each tile's key range from the lengths (no schedule lists) and read and write every
+    row where the caller has it (no copies in the new order)."""
     return seqlen_q > forward_config(head_dim, dtype).block_m
 
 
 def _length_order(row_lens: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat row order (B * Sq,) int64 grouping each batch's rows by key length, longest first,
-    and its inverse. Device ops only (no host sync)."""
-    batch = row_lens.shape[0]
-    batch_key = torch.arange(batch, device=row_lens.device)[:, None] * (seqlen_k + 1)
-    key = batch_key + (seqlen_k - row_lens.clamp(0, seqlen_k))  # (B, Sq): batch-major
-    order = torch.sort(key.flatten(), stable=True).indices
-    positions = torch.arange(order.numel(), device=order.device)
-    return order, torch.empty_like(order).scatter_(0, order, positions)
+    """Each batch's rows by key length, longest first (ties in their own order): (order, lengths),
+    int32 (B, Sq) each; row i of batch b in that order is its row order[b, i], of length
+    lengths[b, i] (clamped to [0, Sk]). One device sort, no host sync."""
+    shortfall, order = torch.sort(seqlen_k - row_lens.clamp(0, seqlen_k), dim=-1, stable=True)
+    return order.to(torch.int32), (seqlen_k - shortfall).to(torch.int32)
 
 
 def _use_kernels(q: torch.Tensor) -> bool:
@@ -413,9 +411,9 @@ def attention(
         if (seqlens_k_per_row is not None and not args.masked and packed is None
                 and block_mask is None and attn_mask is None and attn_bias is None
                 and dropout_p == 0 and groups_rows_by_length(q.shape[1], q.shape[-1], q.dtype)):
-            row_order, row_inverse = _length_order(seqlens_k_per_row, k.shape[1])
-            q = RowPermutation.apply(q, row_order, row_inverse)
-            seqlens_k_per_row = seqlens_k_per_row.flatten()[row_order].view(q.shape[:2])
+            # q, out and lse stay in the caller's order: the kernels read and write each row
+            # where it is and tile the rows (and their lengths) in this order
+            row_order, seqlens_k_per_row = _length_order(seqlens_k_per_row, k.shape[1])
         # rows grouped by length: the kernels take each tile's range from the lengths (no lists)
         schedule = None
         explicit_lengths = seqlens_k_per_row is not None and row_order is None
@@ -431,10 +429,8 @@ def attention(
         # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
         kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
         out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
-                                    seqlens_k_per_row, packed, (kernel_p, seed), deterministic)
-        if row_order is not None:  # back to the caller's row order
-            out = RowPermutation.apply(out, row_inverse, row_order)
-            lse = RowPermutation.apply(lse.transpose(1, 2), row_inverse, row_order).transpose(1, 2)
+                                    seqlens_k_per_row, packed, (kernel_p, seed), deterministic,
+                                    row_order)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),

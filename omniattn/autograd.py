@@ -12,7 +12,8 @@ from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, lse_shape
 
 # An explicit schedule crosses the op boundary as its 12 tensors and 12 launch ints (empty lists:
-# implicit schedule); mask, bias, per-row key lengths and cu_seqlens as optional tensors.
+# implicit schedule); mask, bias, per-row key lengths (and their row order) and cu_seqlens as
+# optional tensors.
 
 
 def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bias, num_heads,
@@ -28,7 +29,7 @@ def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bia
 
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, row_order: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
     dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor], tiles: list[int],
@@ -40,7 +41,8 @@ def _forward_impl(
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     forward, bits = (sched.forward, sched.bits) if sched is not None else (None, None)
     return attention_forward(q, k, v, args, forward, bits, mask=mask, bias=bias,
-                             row_lens=row_lens, packed=packed, dropout=(dropout_p, dropout_seed))
+                             row_lens=row_lens, packed=packed, dropout=(dropout_p, dropout_seed),
+                             row_order=row_order)
 
 
 attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_impl,
@@ -48,16 +50,16 @@ attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_i
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-      schedule, tiles, deterministic):
+def _(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p,
+      dropout_seed, schedule, tiles, deterministic):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
 def _backward_impl(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, row_order: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
     window_right: int, dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor],
@@ -71,7 +73,7 @@ def _backward_impl(
                                            bias=bias, bias_grad=bias_grad, dlse=dlse,
                                            row_lens=row_lens, packed=packed,
                                            dropout=(dropout_p, dropout_seed),
-                                           deterministic=deterministic)
+                                           deterministic=deterministic, row_order=row_order)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
@@ -80,20 +82,20 @@ attention_bwd_op = torch.library.custom_op("omniattn::attention_bwd", _backward_
 
 
 @attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left, window_right,
-      dropout_p, dropout_seed, schedule, tiles, deterministic):
+def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q,
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left,
+      window_right, dropout_p, dropout_seed, schedule, tiles, deterministic):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-     max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-     schedule, tiles, deterministic) = inputs
+    (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
+     max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p,
+     dropout_seed, schedule, tiles, deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q,
-                          cu_seqlens_k, *schedule)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, row_order,
+                          cu_seqlens_q, cu_seqlens_k, *schedule)
     ctx.scalars = (max_seqlen_q, max_seqlen_k)
     ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right, dropout_p,
                           dropout_seed)
@@ -104,11 +106,11 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, dout, dlse, backward_fn):
     """(dq, dk, dv, dbias or None) from the context _setup_context filled."""
-    (q, k, v, out, lse, attn_mask, attn_bias, row_lens, cu_seqlens_q, cu_seqlens_k,
+    (q, k, v, out, lse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
      *schedule) = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = backward_fn(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias,
-                                    row_lens, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
+                                    row_lens, row_order, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
                                     bias_grad, *ctx.kernel_scalars, schedule, ctx.tiles,
                                     ctx.deterministic)
     return dq, dk, dv, dbias if bias_grad else None
@@ -119,7 +121,7 @@ def _backward(ctx, dout, dlse):
     # gradients mirror the inputs' structure: a list per tensor list; an int list is one leaf
     # (an empty one a list)
     return (dq, dk, dv, None, dbias, None, None, None, None, None, None, None, None, None, None,
-            None, [None] * ctx.num_schedule_tensors, None if ctx.tiles else [], None)
+            None, None, [None] * ctx.num_schedule_tensors, None if ctx.tiles else [], None)
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -144,36 +146,22 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:  # only lse reached the loss
             dout = torch.zeros_like(ctx.saved_tensors[3])
         dq, dk, dv, dbias = _gradients(ctx, dout, dlse, _backward_impl)
-        return (dq, dk, dv, None, dbias) + (None,) * 14
-
-
-class RowPermutation(torch.autograd.Function):
-    """x (B, S, ...) with its B * S rows taken in `order` (flat row indices); the gradient goes
-    back through `inverse` (a gather again, not a scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, order, inverse):
-        ctx.save_for_backward(inverse)
-        return x.reshape(-1, *x.shape[2:]).index_select(0, order).view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, = ctx.saved_tensors
-        return grad.reshape(-1, *grad.shape[2:]).index_select(0, inverse).view(grad.shape), \
-            None, None
+        return (dq, dk, dv, None, dbias) + (None,) * 15
 
 
 def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
                      attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
                      row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                     dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False):
+                     dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
+                     row_order: torch.Tensor | None = None):
     """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too.
     dropout: (p, seed); the backward pass regenerates the same keep decisions from the seed.
-    deterministic: the backward pass without atomics (bitwise-identical gradients)."""
+    deterministic: the backward pass without atomics (bitwise-identical gradients).
+    row_order: the length order of per-row key lengths alone (see attention_forward)."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
-    inputs = (q, k, v, attn_mask, attn_bias, row_lens, cu_q, cu_k, max_q, max_k,
+    inputs = (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q, max_k,
               args.softmax_scale, args.softcap, args.window_left, args.window_right, *dropout,
               tensors, tiles, deterministic)
     # traced graphs, fake and subclassed tensors need the ops (their fake implementations and

@@ -85,14 +85,15 @@ def test_structured_lengths():
 
 
 def test_length_order():
-    """Rows grouped per batch (batch-major), longest first, lengths past Sk counting as Sk,
-    equal lengths in their own order; the inverse undoes the order."""
+    """Each batch's rows longest first, lengths past Sk counting as Sk, equal lengths in their
+    own order; the sorted lengths come with the order."""
     from omniattn.api import _length_order
 
     lens = torch.tensor([[3, 0, 7, 3], [1, 9, 9, 2]], dtype=torch.int32, device=DEVICE)
-    order, inverse = _length_order(lens, 8)
-    assert order.tolist() == [2, 0, 3, 1, 5, 6, 7, 4]
-    assert inverse[order].tolist() == list(range(8))
+    order, sorted_lens = _length_order(lens, 8)
+    assert order.dtype == sorted_lens.dtype == torch.int32
+    assert order.tolist() == [[2, 0, 3, 1], [1, 2, 3, 0]]
+    assert sorted_lens.tolist() == [[7, 3, 3, 0], [8, 8, 2, 1]]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -256,3 +257,18 @@ def test_backward_is_deterministic():
             first = grads
         else:
             assert all(torch.equal(a, b) for a, b in zip(first, grads))
+
+
+def test_row_order_is_for_lengths_alone():
+    """The launchers refuse a row order next to a term indexed by the caller's rows."""
+    from omniattn.kernels.fwd import attention_forward
+    from omniattn.kernels.schedule import KernelArgs
+
+    q, k, v = random_qkv(1, 20, 20, 2, 2, 16, torch.float16, requires_grad=False)
+    lens = torch.full((1, 20), 20, dtype=torch.int32, device=DEVICE)
+    order = torch.arange(20, dtype=torch.int32, device=DEVICE)[None]
+    with pytest.raises(ValueError, match="row_order"):
+        attention_forward(q, k, v, KernelArgs.make(16, True, None, None, 0.0), row_lens=lens,
+                          row_order=order)
+    with pytest.raises(ValueError, match="row_order"):
+        attention_forward(q, k, v, KernelArgs.make(16, False, None, None, 0.0), row_order=order)

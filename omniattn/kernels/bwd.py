@@ -16,8 +16,8 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
 from .configs import DROPOUT_MAX_STAGES, backward_config, padded_head_dim
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
-from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
-                        row_lens_operands, row_strides)
+from .sequences import (PackedSequences, batch_shape, check_row_order, lse_strides,
+                        packed_operands, row_lens_operands, row_strides)
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _dkdv_tiles(
     dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
     tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
     mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-    dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens,
+    dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens, row_order,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     bit_col, stride_sq, block_bits, dq_tile, stride_dqm, softmax_scale,
@@ -58,14 +58,15 @@ def _dkdv_tiles(
     DBIAS_ACCUMULATE: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROW_ORDER: tl.constexpr,
 ):
     """Accumulate dK, dV [BN, BD] of one key tile over `num_tiles` query tiles (transposed form:
     scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing.
     mask_cols / bias_cols / dbias_cols point at this key tile's first key (query 0). With DBIAS
     the score gradient goes to dbias: stored per element, or summed over queries into
     dbias_keys [BN] when the bias has one row for every query. With ATOMIC_DQ this tile's share
-    of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD] pointers at query 0)."""
+    of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD] pointers at query 0), row r
+    at the caller's row row_order[r] with ROW_ORDER (q, dO, lse and delta come in length order)."""
     local_n = tl.arange(0, offs_n.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -136,7 +137,11 @@ def _dkdv_tiles(
         dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
-            dq_ptrs = dq_tile + start_m.to(tl.int64) * stride_dqm  # [BM, BD]
+            if ROW_ORDER:  # dq_tile sits at rows offs_m: move each row to its caller row
+                caller_rows = tl.load(row_order + rows, mask=rows < seqlen_q, other=0)
+                dq_ptrs = dq_tile + (caller_rows - offs_m).to(tl.int64)[:, None] * stride_dqm
+            else:
+                dq_ptrs = dq_tile + start_m.to(tl.int64) * stride_dqm  # [BM, BD]
             if EVEN_M and BLOCK_D == HEAD_DIM:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
             else:
@@ -230,7 +235,7 @@ def _dkdv_program(
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
     bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
     seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
@@ -243,7 +248,7 @@ def _dkdv_program(
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    LENGTH_RANGES: tl.constexpr,
+    LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
 ):
     """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
     (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
@@ -297,7 +302,7 @@ def _dkdv_program(
                 dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
                 tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
                 mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n, row_lens,
+                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n, row_lens, row_order,
                 seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                 qk_scale_log2, softcap_inv_scaled, softcap_log2,
                 rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
@@ -307,7 +312,7 @@ def _dkdv_program(
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
                 HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
-                ATOMIC_DQ)
+                ATOMIC_DQ, ROW_ORDER)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
             if DBIAS_PER_QHEAD or g == group - 1:
@@ -334,7 +339,7 @@ def _dq_program(
     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
     bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
     seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
@@ -347,11 +352,12 @@ def _dq_program(
     DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr,
     USER_BQ: tl.constexpr, USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LENGTH_RANGES: tl.constexpr,
+    LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
 ):
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
     every key) also its dbias rows, with DBIAS_TILES (a full bias per query head) its dbias
-    tiles, in the slot of query head `off_h`."""
+    tiles, in the slot of query head `off_h`. ROW_ORDER: q, dO, lse and delta come in length
+    order, row r's dQ goes to the caller's row row_order[r]."""
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
@@ -407,8 +413,11 @@ def _dq_program(
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DROPOUT, DBIAS, DBIAS_TILES,
             HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
+    dq_rows = start_m.to(tl.int64) + local_m[:, None]
+    if ROW_ORDER:
+        dq_rows = tl.load(row_order + offs_m, mask=offs_m < seqlen_q, other=0).to(tl.int64)[:, None]
     dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
-        + start_m.to(tl.int64) * stride_dqm + local_m[:, None] * stride_dqm + offs_d[None, :]
+        + dq_rows * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
     if DBIAS:
@@ -441,7 +450,7 @@ def _bwd_kernel(
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
-    RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
+    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
     BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
@@ -457,6 +466,7 @@ def _bwd_kernel(
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, LENGTH_RANGES: tl.constexpr,
+    ROW_ORDER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     off_bhk = tl.program_id(1)
@@ -487,6 +497,7 @@ def _bwd_kernel(
     bias_batch = Bias + off_b.to(tl.int64) * stride_bb + row0 * stride_bm
     dbias_batch = DBias + off_b.to(tl.int64) * stride_dbb + row0 * stride_dbm
     row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
+    row_order = RowOrder + off_b.to(tl.int64) * stride_rlb
     bit_batch = BitSlots + off_b * stride_sb
     # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
     # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
@@ -508,7 +519,7 @@ def _bwd_kernel(
             stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
             bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
             seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
@@ -518,7 +529,7 @@ def _bwd_kernel(
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ,
-            LENGTH_RANGES)
+            LENGTH_RANGES, ROW_ORDER)
     else:
         work = pid - n_tiles_n
         if (work % n_tiles_m) * BLOCK_M2 >= seqlen_q:
@@ -533,7 +544,7 @@ def _bwd_kernel(
             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
             mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens,
+            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
             bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
             seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
@@ -543,7 +554,7 @@ def _bwd_kernel(
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
             DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
-            DOT_PRECISION, LENGTH_RANGES)
+            DOT_PRECISION, LENGTH_RANGES, ROW_ORDER)
 
 
 def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int):
@@ -586,17 +597,20 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
                        row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
                        dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
-                       dq=None, dk=None, dv=None):
+                       dq=None, dk=None, dv=None, row_order: torch.Tensor | None = None):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
     (H, total_q)); dropout: the forward's (p, seed). dq / dk / dv may be given (preallocated).
     row_lens without a schedule: as in attention_forward, sorted longest first within each batch
-    (a key tile's rows are then a prefix). Not deterministic: the dK/dV programs also add dQ into
+    (a key tile's rows are then a prefix), with the same row_order (q, dout, out, lse, dq in
+    the caller's order: q, dout, lse and delta are gathered once into length order, dq written
+    back to each row's place). Not deterministic: the dK/dV programs also add dQ into
     an fp32 buffer (atomics) and no dQ programs run (5 matmuls per tile pair instead of 7);
     deterministic: dQ programs of their own write every gradient once."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
+    check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
     num_heads_k = k.shape[-2]
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
@@ -638,6 +652,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     )
     if dlse is not None:
         delta -= dlse
+    if row_order is not None:
+        # an index in the dK/dV programs' inner loop (the rows of each query tile looked up)
+        # cost 30% of the backward on the H100: one gather before is cheaper
+        q, dout, lse, delta = rows_in_order(row_order, q, dout, lse, delta)
     n_tiles_m = triton.cdiv(seqlen_q, block_m2)
     n_tiles_n = triton.cdiv(seqlen_k, block_n1)
     if schedule is not None:
@@ -662,7 +680,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         *(mask.operands() if mask is not None else unused),
         *(bias.operands() if bias is not None else unused),
         *dbias_operands,
-        *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
+        *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
         *(bits.operands(batch, num_heads) if bits is not None
           else BlockBits.placeholder_operands(q.device)),
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
@@ -679,9 +697,19 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
         **BlockBits.kernel_flags(bits),
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype), ATOMIC_DQ=atomic_dq,
-        LENGTH_RANGES=row_lens is not None and schedule is None,
+        LENGTH_RANGES=row_lens is not None and schedule is None, ROW_ORDER=row_order is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)
     return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
+
+
+def rows_in_order(row_order: torch.Tensor, q, dout, lse, delta):
+    """q, dout (B, Sq, H, D) and lse, delta (B, H, Sq) with each batch's rows in row_order
+    (int32 (B, Sq))."""
+    batch, seqlen_q = row_order.shape
+    flat = (row_order + torch.arange(batch, device=row_order.device)[:, None] * seqlen_q).flatten()
+    by_row = row_order.long()[:, None, :].expand(lse.shape)
+    return (*(t.reshape(batch * seqlen_q, *t.shape[2:]).index_select(0, flat).view(t.shape)
+              for t in (q, dout)), lse.gather(2, by_row), delta.gather(2, by_row))

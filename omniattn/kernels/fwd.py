@@ -12,8 +12,9 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, le
 from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, TileLists
-from .sequences import (PackedSequences, batch_shape, lse_shape, lse_strides, packed_operands,
-                        row_lens_operands, row_strides, tma_compatible, descriptor_workspace)
+from .sequences import (PackedSequences, batch_shape, check_row_order, lse_shape, lse_strides,
+                        packed_operands, row_lens_operands, row_strides, tma_compatible,
+                        descriptor_workspace)
 
 
 @triton.jit
@@ -119,7 +120,7 @@ def _fwd_kernel(
     stride_fib, stride_fih, stride_fim,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
-    RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
+    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
     BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
@@ -131,7 +132,7 @@ def _fwd_kernel(
     EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr, LENGTH_RANGES: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr, LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     if REVERSE_M:
@@ -184,13 +185,18 @@ def _fwd_kernel(
     key_end = row_key_end(RowLens + off_b.to(tl.int64) * stride_rlb + first_q, offs_m, seqlen_q,
                           seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
+    # rows in length order: row offs_m of this tile is the caller's row caller_m
+    caller_m = offs_m
+    if ROW_ORDER:
+        caller_m = tl.load(RowOrder + off_b.to(tl.int64) * stride_rlb + offs_m,
+                           mask=offs_m < seqlen_q, other=0)
 
-    if TMA:
+    if TMA and not ROW_ORDER:
         q_desc = tl.make_tensor_descriptor(q_rows, [tl.maximum(seqlen_q, 1), HEAD_DIM],
                                            [stride_qm, 1], [BLOCK_M, BLOCK_D])
         q = q_desc.load([start_m, 0])  # [BM, BD]
     else:
-        q = load_rows(q_rows + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
+        q = load_rows(q_rows + caller_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q,
                       offs_d, EVEN_M, HEAD_DIM, BLOCK_D)  # [BM, BD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -231,18 +237,18 @@ def _fwd_kernel(
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
 
     lse_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + first_q \
-        + offs_m
+        + caller_m
     out = out.to(Out.dtype.element_ty)
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
         tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
-    if TMA:  # rows past the sequence's end are not written
+    if TMA and not ROW_ORDER:  # rows past the sequence's end are not written
         o_desc = tl.make_tensor_descriptor(o_rows, [tl.maximum(seqlen_q, 1), HEAD_DIM],
                                            [stride_om, 1], [BLOCK_M, BLOCK_D])
         o_desc.store([start_m, 0], out)
     else:
-        o_ptrs = o_rows + offs_m[:, None] * stride_om + offs_d[None, :]
+        o_ptrs = o_rows + caller_m[:, None] * stride_om + offs_d[None, :]
         if EVEN_M and BLOCK_D == HEAD_DIM:
             tl.store(o_ptrs, out)
         else:
@@ -254,19 +260,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
                       mask: Elementwise | None = None,
                       bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
                       packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
-                      out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      row_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
     packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
     the block mask's element bitmaps `bits` and the per-row key lengths row_lens (int32 (B, Sq)
     or packed (total_q,)) are applied in its PARTIAL tiles, the bias in every visited tile.
     row_lens without a schedule (not packed): each query tile's key range comes from its rows'
-    lengths, which the backward pass needs sorted longest first within each batch.
+    lengths, which the backward pass needs sorted longest first within each batch: with
+    row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
+    and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
+    check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
     num_heads_k = k.shape[-2]
     out = torch.empty_like(q) if out is None else out
     if lse is None:
@@ -300,7 +309,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             *sched,
             *(mask.operands() if mask is not None else unused),
             *(bias.operands() if bias is not None else unused),
-            *row_lens_operands(row_lens, q.device), *packed_operands(packed, q.device),
+            *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
             *(bits.operands(batch, num_heads) if bits is not None
               else BlockBits.placeholder_operands(q.device)),
             seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
@@ -318,6 +327,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
             LENGTH_RANGES=row_lens is not None and schedule is None,
+            ROW_ORDER=row_order is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out, lse

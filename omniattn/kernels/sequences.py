@@ -59,11 +59,30 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.int32) -> torch
     return torch.zeros(1, dtype=dtype, device=device)
 
 
-def row_lens_operands(row_lens: torch.Tensor | None, device: torch.device) -> tuple:
-    """(tensor, batch stride) of per-row key lengths: int32 (B, Sq), or (total_q,) packed."""
+def check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout) -> None:
+    """A launcher's row_order belongs to per-row key lengths alone: every other term of the
+    predicate (causal, window, mask, bias, block mask, dropout counters, packing) is indexed by
+    the caller's rows, the tiles by the sorted ones."""
+    if row_order is None:
+        return
+    others = args.masked or schedule is not None or mask is not None or bias is not None \
+        or packed is not None or dropout[0] > 0
+    if row_lens is None or others:
+        raise ValueError("row_order orders the rows of per-row key lengths alone: pass it with "
+                         "row_lens and no causal, window, mask, bias, schedule, packing or dropout")
+
+
+def row_lens_operands(row_lens: torch.Tensor | None, device: torch.device,
+                      row_order: torch.Tensor | None = None) -> tuple:
+    """(lengths, batch stride, row order) of per-row key lengths: int32 (B, Sq), or (total_q,)
+    packed; the optional row order (int32 (B, Sq), rows in length order) shares the stride."""
+    if row_order is not None and (row_lens is None or row_order.shape != row_lens.shape or
+                                  row_order.stride() != row_lens.stride()):
+        raise ValueError("row_order must be laid out like row_lens")
+    order = placeholder(device) if row_order is None else row_order
     if row_lens is None:
-        return placeholder(device), 0
-    return row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0
+        return placeholder(device), 0, order
+    return row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0, order
 
 
 def packed_operands(packed: PackedSequences | None, device: torch.device) -> tuple:
