@@ -70,7 +70,9 @@ _FWD = {
 # Hopper, q/k/v/out through tensor descriptors (TMA), keyed like _FWD. H100, bf16, B2 H16 4k
 # (D128 dense also B1 H16 16k), scratch sweep at 2026-11-22; "pointers" is _FWD's entry without
 # descriptors. Warp specialisation (tl.range(warp_specialize=True), 128x128, 4 warps, 2 stages)
-# ran D64 0.393 / D128 0.521 ms but left lse rows unwritten in triton 3.6: not used.
+# left lse rows unwritten when lse was stored through pointers (triton 3.6); stored through a
+# descriptor it is complete but no faster overall: D128 0.501 vs 0.527 ms at 4k, 3.842 vs 3.764
+# at 16k, D64 0.372 vs 0.322 (2026-11-23): not used.
 _FWD_TMA = {
     (64, False): TileConfig(128, 128, 4, 3),  # 0.437 ms; pointers 0.509, (128, 128, 8, 3) 0.439
     (64, True): TileConfig(64, 64, 4, 3),  # 0.253 ms; pointers 0.399, (128, 64, 4, 3) 0.379
