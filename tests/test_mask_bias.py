@@ -277,3 +277,27 @@ def test_mask_schedule_is_sound(form, causal, window, lengths):
         if transposed and seqlen_q % lists.block_m:
             missed_full[..., -1, :] = False
         assert not missed_full.any(), "an all-visible tile is not FULL"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_full_bias_gradient_outside_the_lists(deterministic):
+    """A full bias (one per query head, broadcast over the batch) under causal and a mask with
+    hidden tiles: its gradient buffer is zeroed only where the backward's lists never go (the
+    dK/dV lists, or the dQ lists when deterministic); NaN-poisoned memory elsewhere must all be
+    overwritten, and the hidden tiles come back 0."""
+    scale = 9 if GPU else 1
+    seqlen_q, seqlen_k = 37 * scale, 45 * scale
+    generator = torch.Generator().manual_seed(21)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float16)
+    keep = torch.rand(2, 4, seqlen_q, seqlen_k, generator=generator) < 0.7
+    keep[:, :, : 20 * scale, : 16 * scale] = False  # whole tiles hidden inside the causal part
+    keep = keep.to(DEVICE)
+    bias = torch.randn(1, 4, seqlen_q, seqlen_k, generator=generator).to(DEVICE, torch.float16)
+    bias.requires_grad_()
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, causal=True, attn_mask=keep, attn_bias=bias,
+                                  deterministic=deterministic, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    assert (grads[3][..., : 20 * scale, : 16 * scale] == 0).all()
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=True, attn_mask=keep,
+                            attn_bias=bias)
