@@ -608,16 +608,19 @@ def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: 
 
 
 def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int,
-                  zeroed_by_lists: bool = False):
+                  explicit_lists: bool):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
     One slot per query head when the bias has H heads or one column for all keys (written by the
     dQ programs, or by the dK/dV programs when dQ goes through atomics: see _bwd_kernel), else
-    one per KV head: the dK/dV program sums its group in place. Slots and batches the bias broadcasts are summed afterwards. A packed
-    bias with a row per query is written once for every sequence (each writes its own rows).
-    zeroed_by_lists: the caller zeroes the tiles its schedule leaves out (a full bias with one
-    slot per query head and batch) instead of the whole buffer.
-    Returns (buffer, its kernel strides, per_qhead, finish)."""
+    one per KV head: the dK/dV program sums its group in place. Slots and batches the bias
+    broadcasts are summed afterwards. A packed bias with a row per query is written once for
+    every sequence (each writes its own rows).
+    zero_unlisted: a full bias with a slot per query head under explicit lists (`explicit_lists`:
+    a schedule over a padded batch) is stored tile by tile by one pass, so only the tiles its
+    lists leave out need zeros: the caller writes them (`_zero_unlisted`) instead of the buffer
+    being zeroed whole.
+    Returns (buffer, its kernel strides, per_qhead, zero_unlisted, finish)."""
     bias_batch, bias_heads, rows, cols = bias.tensor.shape
     dtype_out = bias.tensor.dtype
     per_qhead = cols == 1 or bias_heads == num_heads
@@ -628,7 +631,8 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     dtype = torch.float32 if reduce or accumulate else dtype_out
     # elements of tiles no program visits must read 0 (packed: keys past a sequence's end too);
     # other layouts are written in full
-    alloc = torch.zeros if ((cols != 1 and rows != 1) or bias.packed) and not zeroed_by_lists \
+    zero_unlisted = explicit_lists and cols != 1 and rows != 1 and bias_heads == num_heads
+    alloc = torch.zeros if ((cols != 1 and rows != 1) or bias.packed) and not zero_unlisted \
         else torch.empty
     buffer = alloc((buffer_batch, slots, rows, cols), dtype=dtype, device=bias.tensor.device)
     # size-1 dims at stride 0: packed rows are addressed from each sequence's first row
@@ -643,7 +647,7 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
                 summed = summed.sum(0, keepdim=True)
         return bias.unpacked(summed.to(dtype_out))
 
-    return buffer, strides, per_qhead, finish
+    return buffer, strides, per_qhead, zero_unlisted, finish
 
 
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
@@ -688,14 +692,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    dbias_buffer, dbias_strides, dbias_per_qhead, finish_dbias = None, None, True, None
-    # a full bias with a slot per query head gets its gradient stored tile by tile by one pass
-    # (see _bwd_kernel): with explicit lists only the tiles they leave out need zeros first
-    zero_unlisted = bias_grad and schedule is not None and packed is None \
-        and bias.spans_queries_and_keys and bias.tensor.shape[1] == num_heads
+    dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
+        None, None, True, False, None
     if bias_grad:
-        dbias_buffer, dbias_strides, dbias_per_qhead, finish_dbias = _dbias_buffer(
-            bias, batch, num_heads, num_heads_k, zeroed_by_lists=zero_unlisted)
+        dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
+            _dbias_buffer(bias, batch, num_heads, num_heads_k,
+                          explicit_lists=schedule is not None and packed is None)
     if q.numel() == 0 or k.numel() == 0:
         dbias = finish_dbias(dbias_buffer.zero_()) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias

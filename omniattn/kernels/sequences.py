@@ -70,15 +70,15 @@ def check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dro
     if row_lens is None or others:
         raise ValueError("row_order orders the rows of per-row key lengths alone: pass it with "
                          "row_lens and no causal, window, mask, bias, schedule, packing or dropout")
+    if row_order.shape != row_lens.shape or row_order.stride() != row_lens.stride():
+        raise ValueError("row_order must be laid out like row_lens (the kernels share its stride)")
 
 
 def row_lens_operands(row_lens: torch.Tensor | None, device: torch.device,
                       row_order: torch.Tensor | None = None) -> tuple:
     """(lengths, batch stride, row order) of per-row key lengths: int32 (B, Sq), or (total_q,)
-    packed; the optional row order (int32 (B, Sq), rows in length order) shares the stride."""
-    if row_order is not None and (row_lens is None or row_order.shape != row_lens.shape or
-                                  row_order.stride() != row_lens.stride()):
-        raise ValueError("row_order must be laid out like row_lens")
+    packed; the optional row order (int32 (B, Sq), rows in length order) shares the stride (see
+    check_row_order)."""
     order = placeholder(device) if row_order is None else row_order
     if row_lens is None:
         return placeholder(device), 0, order
