@@ -10,7 +10,7 @@ from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
                                   states_schedule)
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
-from .kernels.sequences import PackedSequences, batch_shape
+from .kernels.sequences import PackedSequences, batch_shape, length_order
 from .masks.block_mask import BlockMask
 from .reference import attention_reference
 
@@ -296,14 +296,6 @@ def groups_rows_by_length(seqlen_q: int, head_dim: int, dtype: torch.dtype) -> b
     return seqlen_q > forward_config(head_dim, dtype).block_m
 
 
-def _length_order(row_lens: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each batch's rows by key length, longest first (ties in their own order): (order, lengths),
-    int32 (B, Sq) each; row i of batch b in that order is its row order[b, i], of length
-    lengths[b, i] (clamped to [0, Sk]). One device sort, no host sync."""
-    shortfall, order = torch.sort(seqlen_k - row_lens.clamp(0, seqlen_k), dim=-1, stable=True)
-    return order.to(torch.int32), (seqlen_k - shortfall).to(torch.int32)
-
-
 def _use_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
@@ -413,7 +405,7 @@ def attention(
                 and dropout_p == 0 and groups_rows_by_length(q.shape[1], q.shape[-1], q.dtype)):
             # q, out and lse stay in the caller's order: the kernels read and write each row
             # where it is and tile the rows (and their lengths) in this order
-            row_order, seqlens_k_per_row = _length_order(seqlens_k_per_row, k.shape[1])
+            row_order, seqlens_k_per_row = length_order(seqlens_k_per_row, k.shape[1])
         # rows grouped by length: the kernels take each tile's range from the lengths (no lists)
         schedule = None
         explicit_lengths = seqlens_k_per_row is not None and row_order is None

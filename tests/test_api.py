@@ -33,21 +33,26 @@ def test_cpu_reference_backend(monkeypatch):
     check_against_reference(out, lse, grads, q, k, v, dout, causal=True, window=(7, -1))
 
 
+@pytest.mark.parametrize("mask", ["causal", "row_lengths"])
 @pytest.mark.parametrize("out_in_loss", [True, False])
-def test_lse_gradient(out_in_loss):
+def test_lse_gradient(out_in_loss, mask):
     """lse is differentiable: d lse / d s = p enters the backward pass as delta - dlse; a loss
-    of lse alone leaves the output without a gradient (no dout reaches the backward pass)."""
+    of lse alone leaves the output without a gradient (no dout reaches the backward pass).
+    Per-row key lengths alone run with the rows in length order: dlse follows them there."""
     torch.manual_seed(3)
-    q, k, v = random_qkv(1, 19, 27, 2, 2, 32, torch.float32)
-    weights = torch.randn(1, 2, 19, device=DEVICE)
-    out, lse = omniattn.attention(q, k, v, causal=True, return_lse=True)
+    seqlen_q = 19 if mask == "causal" else 45  # lengths: more than one query tile
+    q, k, v = random_qkv(1, seqlen_q, 27, 2, 2, 32, torch.float32)
+    weights = torch.randn(1, 2, seqlen_q, device=DEVICE)
+    options = dict(causal=True) if mask == "causal" else dict(
+        seqlens_k_per_row=torch.randint(1, 28, (1, seqlen_q), dtype=torch.int32, device=DEVICE))
+    out, lse = omniattn.attention(q, k, v, return_lse=True, **options)
     loss = (lse.double() * weights).sum()
     if out_in_loss:
         loss = loss + (out.double() ** 2).sum()
     grads = torch.autograd.grad(loss, (q, k, v) if out_in_loss else (q, k))
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = omniattn.reference.attention_reference(*ref_inputs, causal=True,
-                                                              return_lse=True)
+    ref_out, ref_lse = omniattn.reference.attention_reference(*ref_inputs, return_lse=True,
+                                                              **options)
     ref_loss = (ref_lse * weights).sum()
     if out_in_loss:
         ref_loss = ref_loss + (ref_out ** 2).sum()
