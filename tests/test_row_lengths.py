@@ -84,15 +84,15 @@ def test_structured_lengths():
     run_rows(4, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, lens)
 
 
-@pytest.mark.parametrize("max_rank_rows", [0, 1 << 20])
-def test_length_order(max_rank_rows):
+@pytest.mark.parametrize("max_rank_pairs", [0, 1 << 20])
+def test_length_order(max_rank_pairs):
     """Each batch's rows longest first, lengths past Sk counting as Sk, equal lengths in their
     own order; the sorted lengths come with the order. Both ways: counting ranks (a Triton
     kernel) and torch's sort (long rows)."""
     from omniattn.kernels.sequences import length_order
 
     lens = torch.tensor([[3, 0, 7, 3], [1, 9, 9, 2]], dtype=torch.int32, device=DEVICE)
-    order, sorted_lens = length_order(lens, 8, max_rank_rows)
+    order, sorted_lens = length_order(lens, 8, max_rank_pairs)
     assert order.dtype == sorted_lens.dtype == torch.int32
     assert order.tolist() == [[2, 0, 3, 1], [1, 2, 3, 0]]
     assert sorted_lens.tolist() == [[7, 3, 3, 0], [8, 8, 2, 1]]
@@ -100,7 +100,7 @@ def test_length_order(max_rank_rows):
     # several rank blocks, many ties, a last block cut short, values outside [0, Sk]
     generator = torch.Generator().manual_seed(5)
     lens = torch.randint(-2, 12, (3, 53), generator=generator, dtype=torch.int32).to(DEVICE)
-    order, sorted_lens = length_order(lens, 9, max_rank_rows)
+    order, sorted_lens = length_order(lens, 9, max_rank_pairs)
     shortfall, expected = torch.sort(9 - lens.clamp(0, 9), dim=-1, stable=True)
     assert torch.equal(order.long(), expected)
     assert torch.equal(sorted_lens, (9 - shortfall).to(torch.int32))

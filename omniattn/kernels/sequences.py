@@ -122,12 +122,13 @@ def descriptor_workspace():
         _allocation._allocator.reset(token)
 
 
-# rank by counting: O(Sq^2) comparisons per batch in one launch, where torch's segmented sort
-# (radix passes and a memset) took 0.06 ms of GPU time at B2 x 8k on the H100; above this, or when
-# the packed keys need more than 31 bits, torch's sort
-RANK_MAX_ROWS = 16384
-# (rows, keys) per step of the rank kernel and its warps: see length_order
-RANK_TILE = (64, 64, 4)
+# rank by counting: B x Sq^2 comparisons in one launch, up to this many; torch's segmented sort
+# (radix passes and a memset) above. H100 GPU time, rank / sort: B2 x 8k 0.030 / 0.061 ms,
+# B8 x 4k 0.031 / 0.028, B2 x 16k 0.100 / 0.061
+RANK_MAX_PAIRS = 2 ** 27
+# (rows, keys) per step of the rank kernel, warps: B2 x 8k 0.030 ms; (64, 64, 4) 0.037,
+# (128, 128, 8) 0.031, (32, 32, 2) 0.066
+RANK_TILE = (64, 128, 4)
 
 
 @triton.jit
@@ -156,12 +157,13 @@ def _length_rank_kernel(RowLens, stride_lb, Order, Lengths, seqlen_q, seqlen_k,
 
 
 def length_order(row_lens: torch.Tensor, seqlen_k: int,
-                 max_rank_rows: int = RANK_MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_rank_pairs: int = RANK_MAX_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
     """Each batch's rows of row_lens (int32 (B, Sq)) by key length, longest first (ties in their
     own order): (order, lengths), int32 (B, Sq) each, contiguous; row i of batch b in that order
     is its row order[b, i], of length lengths[b, i] (clamped to [0, Sk]). No host sync."""
     batch, seqlen_q = row_lens.shape
-    if seqlen_q > max_rank_rows or (seqlen_k + 1) * seqlen_q >= 2 ** 31:
+    # the rank kernel's keys, length x Sq + row, are int32
+    if batch * seqlen_q ** 2 > max_rank_pairs or (seqlen_k + 1) * seqlen_q >= 2 ** 31:
         shortfall, order = torch.sort(seqlen_k - row_lens.clamp(0, seqlen_k), dim=-1, stable=True)
         return order.to(torch.int32), (seqlen_k - shortfall).to(torch.int32)
     order = torch.empty((batch, seqlen_q), dtype=torch.int32, device=row_lens.device)
