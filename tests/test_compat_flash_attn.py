@@ -42,6 +42,59 @@ def test_varlen():
                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k_per_row=lens)
 
 
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_seqused_k(with_rows):
+    """seqused_k: each sequence uses its first keys only, as per-row lengths ANDed with
+    per_row_seqlens_k: keys past them (large values here) change nothing and get zero
+    gradients."""
+    torch.manual_seed(2)
+    lengths_q, lengths_k, used = [5, 17, 2], [12, 20, 3], [7, 20, 0]
+    cu_q = torch.tensor([0, 5, 22, 24], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 12, 32, 35], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lengths_q), 2, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(sum(lengths_k), 2, 16, device=DEVICE, dtype=torch.float16)
+    v = torch.randn_like(k)
+    for start, n_used, n_k in zip(cu_k.tolist(), used, lengths_k):
+        k[start + n_used:start + n_k] = 1e4
+        v[start + n_used:start + n_k] = 1e4
+    seqused_k = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    expected_lens = torch.repeat_interleave(seqused_k, torch.tensor(lengths_q, device=DEVICE))
+    rows = None
+    if with_rows:
+        rows = torch.cat([torch.randint(0, n + 1, (m,)) for m, n in zip(lengths_q, lengths_k)])
+        rows = rows.int().to(DEVICE)
+        expected_lens = torch.minimum(expected_lens, rows)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 20, seqused_k=seqused_k,
+                                      per_row_seqlens_k=rows)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # the reference sees the same call with the unused keys zeroed and lengths per row
+    unused = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
+    for start, n_used in zip(cu_k.tolist(), used):
+        unused[start:start + n_used] = False
+    assert (grads[1][unused] == 0).all() and (grads[2][unused] == 0).all()
+    clean = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with torch.no_grad():
+        clean[1][unused] = 0
+        clean[2][unused] = 0
+    check_against_reference(out, lse, grads, *clean, dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            seqlens_k_per_row=expected_lens.int())
+
+
+def test_seqused_k_errors():
+    q = torch.randn(6, 2, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(6, 2, 16, device=DEVICE, dtype=torch.float16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="seqused_k with causal"):
+        flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used, causal=True)
+    with pytest.raises(TypeError, match="seqused_k must be an int32"):
+        flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used.long())
+    with pytest.raises(ValueError, match="seqused_k has shape"):
+        flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used[:1])
+
+
 @pytest.mark.parametrize("kwargs", [dict(attention_chunk=64), dict(qv=torch.zeros(1)),
                                     dict(q_descale=torch.ones(1))])
 def test_unsupported_arguments(kwargs):

@@ -7,11 +7,20 @@ per_row_seqlens_k: int32 (B, Sq) or (B * Sq,) (varlen: (total_q,)): query row i 
 [0, len_i). Unlike the seed it combines with causal and window_size (all ANDed), and the
 gradients flow through it. softmax_lse: (B, H, Sq) float32 (varlen: (H, total_q)).
 
+seqused_k (varlen, int32 (B,)): sequence b uses the first seqused_k[b] of its keys; it runs as
+per-row key lengths (ANDed with per_row_seqlens_k), so it is supported without causal and
+window_size only (the original aligns their diagonal to the used keys). Unused keys in a key
+tile that holds used ones are multiplied by zero probabilities: they must be finite (a KV
+cache from torch.empty may hold NaN; zero it once). A padded batch with keys in use per
+sequence is `per_row_seqlens_k=seqused_k[:, None].expand(B, Sq)`.
+
 Differences from the original: num_splits, pack_gqa and sm_margin are scheduling hints of the
-CUDA kernels and are accepted and ignored; FP8 descales, qv, attention_chunk and seqused_* are
+CUDA kernels and are accepted and ignored; FP8 descales, qv, attention_chunk and seqused_q are
 not supported (NotImplementedError).
 """
 from __future__ import annotations
+
+import torch
 
 from ..api import attention
 
@@ -48,15 +57,36 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            pack_gqa=None, deterministic=False, sm_margin=0,
                            per_row_seqlens_k=None):
     """Packed sequences; returns (out (total_q, H, D), softmax_lse (H, total_q) float32)."""
-    _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
+    _unsupported(seqused_q=(seqused_q, None), qv=(qv, None),
                  q_descale=(q_descale, None), k_descale=(k_descale, None),
                  v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+    if seqused_k is not None:
+        per_row_seqlens_k = _used_keys_per_row(seqused_k, cu_seqlens_q, q.shape[0], causal,
+                                               window_size, per_row_seqlens_k)
     return attention(q, k, v, causal=bool(causal), window=_window(window_size),
                      softmax_scale=softmax_scale, softcap=float(softcap),
                      seqlens_k_per_row=per_row_seqlens_k, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
                      return_lse=True)
+
+
+def _used_keys_per_row(seqused_k, cu_seqlens_q, total_q: int, causal, window_size,
+                       per_row_seqlens_k):
+    """seqused_k (B,) as per-row key lengths (total_q,), ANDed with per_row_seqlens_k."""
+    if causal or _window(window_size) is not None:
+        raise NotImplementedError("flash_attn façade: seqused_k with causal or window_size is not "
+                                  "supported (the original aligns the diagonal to the used keys); "
+                                  "pass per_row_seqlens_k or pack the used keys")
+    if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
+        raise TypeError("seqused_k must be an int32 tensor of shape (B,)")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or \
+            tuple(seqused_k.shape) != (cu_seqlens_q.shape[0] - 1,):
+        raise ValueError(f"seqused_k has shape {tuple(seqused_k.shape)}; expected (B,) with B = "
+                         f"len(cu_seqlens_q) - 1")
+    rows_per_sequence = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    used = torch.repeat_interleave(seqused_k, rows_per_sequence, output_size=total_q)
+    return used if per_row_seqlens_k is None else torch.minimum(per_row_seqlens_k, used)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
