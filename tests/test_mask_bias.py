@@ -279,6 +279,33 @@ def test_mask_schedule_is_sound(form, causal, window, lengths):
         assert not missed_full.any(), "an all-visible tile is not FULL"
 
 
+@pytest.mark.parametrize("form", ["bhqs", "b1qs", "b11s"])
+@pytest.mark.parametrize("lengths", [(70, 90), (128, 96)], ids=["ragged", "even"])
+def test_mask_states_read_in_chunks(form, lengths):
+    """The pre-pass stops reading a tile once it has seen a kept and a dropped element: tiles
+    whose only dropped (or only kept) element is in their last row, or past their first chunk,
+    must still come out exact; all-kept and all-dropped tiles are read whole."""
+    from omniattn.kernels.elementwise import MASK_CHUNK_M, Elementwise, mask_tile_states
+    from omniattn.kernels.schedule import KernelArgs
+
+    (batch, heads), (seqlen_q, seqlen_k), block = (2, 2), lengths, (64, 32)
+    assert block[0] > MASK_CHUNK_M  # several chunks per tile
+    generator = torch.Generator().manual_seed(sum(lengths) + len(form))
+    shape = elementwise_shape(form, batch, heads, heads, seqlen_q, seqlen_k)
+    mask = torch.rand(shape, generator=generator) < 0.5  # PARTIAL tiles, decided early
+    mask[..., :, :32] = True  # FULL tiles ...
+    mask[..., :, 32:64] = False  # ... and HIDDEN ones
+    if mask.shape[-2] > 1:
+        mask[..., min(63, seqlen_q - 1), 31] = False  # dropped only in the tile's last row
+        mask[..., MASK_CHUNK_M + 1, 40] = True  # kept only past the first chunk
+    mask = mask.to(DEVICE)
+    args = KernelArgs.make(32, False, None, None, 0.0)
+    states = mask_tile_states(Elementwise.of(mask, heads), seqlen_q, seqlen_k, *block, args)
+    assert torch.equal(states.cpu(), exact_tile_states(mask, *block))
+    if mask.shape[-2] > 1:
+        assert states[..., 0, 0].eq(1).all() and states[..., 0, 1].eq(1).all()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_full_bias_gradient_outside_the_lists(deterministic):
     """A full bias (one per query head, broadcast over the batch) under causal and a mask with
