@@ -354,8 +354,9 @@ def attention(
             max_seqlen_q / max_seqlen_k: their longest lengths (computed, with a host sync, if
             None). Each sequence attends only to itself.
         deterministic: the backward pass without atomics: dQ gets programs of its own (which
-            recompute the scores: about 20% slower), every gradient is written once in a fixed
-            order, bitwise-identical run to run. Otherwise the dK/dV programs add their dQ
+            recompute the scores), every gradient is written once in a fixed order,
+            bitwise-identical run to run. Otherwise, where a backward tile config asks for it
+            (none of the GPU ones today: kernels/configs.py), the dK/dV programs add their dQ
             share into an fp32 buffer with atomics (summation order varies by ~1 ulp of fp32).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.

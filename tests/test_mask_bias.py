@@ -6,10 +6,13 @@ element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import omniattn
+from omniattn.kernels import configs
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
 from test_block_mask import element_visibility, random_block_mask
 
@@ -307,12 +310,19 @@ def test_mask_states_read_in_chunks(form, lengths):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_full_bias_gradient_outside_the_lists(deterministic):
-    """A full bias (one per query head, broadcast over the batch) under causal and a mask with
-    hidden tiles: its gradient buffer is zeroed only where the backward's lists never go (the
-    dK/dV lists, or the dQ lists when deterministic); NaN-poisoned memory elsewhere must all be
-    overwritten, and the hidden tiles come back 0."""
+@pytest.mark.parametrize("left_window", [False, True])
+def test_full_bias_gradient_outside_the_lists(monkeypatch, deterministic, left_window):
+    """A full bias (one per query head, broadcast over the batch) under causal (or a causal
+    window, which also hides key tiles left of it) and a mask with hidden tiles: its gradient
+    buffer is zeroed only where the backward's lists never go (the dK/dV lists with atomic dQ,
+    forced here when not deterministic, or the dQ lists); NaN-poisoned memory elsewhere must all
+    be overwritten, and the hidden tiles come back 0."""
+    for table in (configs._BWD, configs._BWD_FULL_BIAS):
+        for key, cfg in list(table.items()):
+            monkeypatch.setitem(table, key, dataclasses.replace(cfg, atomic_dq=True))
     scale = 9 if GPU else 1
+    # causal with 20 keys left of the diagonal: the last rows see no key tile of the first 24
+    structure = dict(window=(20 * scale, 0)) if left_window else dict(causal=True)
     seqlen_q, seqlen_k = 37 * scale, 45 * scale
     generator = torch.Generator().manual_seed(21)
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float16)
@@ -322,9 +332,9 @@ def test_full_bias_gradient_outside_the_lists(deterministic):
     bias = torch.randn(1, 4, seqlen_q, seqlen_k, generator=generator).to(DEVICE, torch.float16)
     bias.requires_grad_()
     dout = torch.randn_like(q)
-    out, lse = omniattn.attention(q, k, v, causal=True, attn_mask=keep, attn_bias=bias,
-                                  deterministic=deterministic, return_lse=True)
+    out, lse = omniattn.attention(q, k, v, attn_mask=keep, attn_bias=bias,
+                                  deterministic=deterministic, return_lse=True, **structure)
     grads = torch.autograd.grad(out, (q, k, v, bias), dout)
     assert (grads[3][..., : 20 * scale, : 16 * scale] == 0).all()
-    check_against_reference(out, lse, grads, q, k, v, dout, causal=True, attn_mask=keep,
-                            attn_bias=bias)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=keep, attn_bias=bias,
+                            **structure)

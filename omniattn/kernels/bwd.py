@@ -127,7 +127,8 @@ def _dkdv_tiles(
         if PARTIAL:
             key_end = row_key_end(row_lens, rows, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
             visible_t = tl.trans(visible_elements(rows, offs_n, key_end, diag_offset, window_left,
-                                                  window_right, HAS_LEFT, HAS_RIGHT))  # [BN, BM]
+                                                  window_right, HAS_LEFT, HAS_RIGHT,
+                                                  HAS_ROW_LENS or not EVEN_N))  # [BN, BM]
             if HAS_MASK:
                 keep_t = load_pair_tile(mask_cols + start_m.to(tl.int64) * stride_mm, local_n,
                                         offs_m, stride_mn, stride_mm, cols_left,
@@ -185,7 +186,8 @@ def _dq_tiles(
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     bit_row, stride_sk, block_bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     DROPOUT: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
@@ -223,7 +225,7 @@ def _dq_tiles(
         p = tl.exp2(s - lse[:, None])
         if PARTIAL:
             visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
-                                       window_right, HAS_LEFT, HAS_RIGHT)
+                                       window_right, HAS_LEFT, HAS_RIGHT, KEY_BOUND)
             if HAS_MASK:
                 keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
                                       offs_n, stride_mm, stride_mn, rows_left, seqlen_k - start_n,
@@ -433,7 +435,8 @@ def _dq_program(
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
             bit_row, stride_sk, block_bits,
-            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
+            HAS_ROW_LENS or not EVEN_N, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DROPOUT, DBIAS, DBIAS_TILES,
             HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
@@ -486,7 +489,7 @@ def _bwd_kernel(
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr,
+    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr, DBIAS_TILES_IN_DQ: tl.constexpr,
     EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
@@ -524,13 +527,6 @@ def _bwd_kernel(
     row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
     row_order = RowOrder + off_b.to(tl.int64) * stride_rlb
     bit_batch = BitSlots + off_b * stride_sb
-    # who computes dbias: dQ programs for a bias with one column for all keys (a sum over keys)
-    # and for a full bias per query head (stores contiguous along keys); dK/dV programs for a key
-    # bias (a sum over queries) and a full bias shared by a KV group (a sum over the group).
-    # With ATOMIC_DQ there are no dQ programs: full biases go to dK/dV (the launcher keeps
-    # biases with one column for all keys off that path).
-    dbias_tiles_in_dq = DBIAS_PER_QHEAD and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED \
-        and not ATOMIC_DQ
     if pid < n_tiles_n:
         if pid * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
             return
@@ -552,7 +548,7 @@ def _bwd_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
-            DBIAS and not BIAS_COLS_SHARED and not dbias_tiles_in_dq, DBIAS_PER_QHEAD,
+            DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ, DBIAS_PER_QHEAD,
             EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ,
             LENGTH_RANGES, ROW_ORDER)
     else:
@@ -578,7 +574,7 @@ def _bwd_kernel(
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
-            DBIAS and dbias_tiles_in_dq, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
+            DBIAS_TILES_IN_DQ, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
             DOT_PRECISION, LENGTH_RANGES, ROW_ORDER)
 
 
@@ -688,9 +684,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     row_lens without a schedule: as in attention_forward, sorted longest first within each batch
     (a key tile's rows are then a prefix), with the same row_order (q, dout, out, lse, dq in
     the caller's order: q, dout, lse and delta are gathered once into length order, dq written
-    back to each row's place). Not deterministic: the dK/dV programs also add dQ into
-    an fp32 buffer (atomics) and no dQ programs run (5 matmuls per tile pair instead of 7);
-    deterministic: dQ programs of their own write every gradient once."""
+    back to each row's place). With a config's atomic_dq and not deterministic, the dK/dV
+    programs also add dQ into an fp32 buffer (atomics) and no dQ programs run (5 matmuls per
+    tile pair instead of 7); otherwise dQ programs of their own write every gradient once."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
@@ -770,10 +766,17 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         # fp32, laid out like q: the dK/dV programs add their shares
         dq_sum = dq.zero_() if dq.dtype == torch.float32 else \
             torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # who stores dbias: the dQ programs for a bias with one column for all keys (a sum over keys)
+    # and for a full bias per query head (stores contiguous along keys); the dK/dV programs for
+    # a key bias (a sum over queries) and a full bias shared by a KV group (a sum over the
+    # group). With atomic dQ there are no dQ programs: full biases go to dK/dV (biases with one
+    # column for all keys are kept off that path above).
+    dbias_tiles_in_dq = bias_grad and dbias_per_qhead and bias.spans_queries_and_keys \
+        and not atomic_dq
     if zero_unlisted:
-        dbias_in_dq = not atomic_dq  # as dbias_tiles_in_dq in _bwd_kernel
-        _zero_unlisted(dbias_buffer, dbias_strides, schedule.dq if dbias_in_dq else schedule.dkdv,
-                       not dbias_in_dq, seqlen_q, seqlen_k)
+        _zero_unlisted(dbias_buffer, dbias_strides,
+                       schedule.dq if dbias_tiles_in_dq else schedule.dkdv,
+                       not dbias_tiles_in_dq, seqlen_q, seqlen_k)
     grid = (n_tiles_n + (0 if atomic_dq else group * n_tiles_m), batch * num_heads_k)
     even = packed is None
     _bwd_kernel[grid](
@@ -795,7 +798,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
         **Elementwise.kernel_flags(mask, bias),
         HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
-        DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead,
+        DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead, DBIAS_TILES_IN_DQ=dbias_tiles_in_dq,
         EXPLICIT=schedule is not None,
         EVEN_M1=even and seqlen_q % block_m1 == 0, EVEN_N1=even and seqlen_k % block_n1 == 0,
         EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,

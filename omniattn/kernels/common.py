@@ -21,14 +21,18 @@ def load_rows(ptrs, rows, n_rows, offs_d, EVEN_ROWS: tl.constexpr, HEAD_DIM: tl.
 @triton.jit
 def visible_elements(
     offs_m, offs_n, key_end, diag_offset, window_left, window_right,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
 ):
     """Element predicate of a PARTIAL tile: [BM, BN] True where query offs_m may see key offs_n.
 
-    key_end [BM]: the keys each row sees end there (Sk, or the row's key length); diag_offset =
-    Sk - Sq (bottom-right aligned diagonal); causal is HAS_RIGHT with window_right 0.
+    key_end [BM]: the keys each row sees end there (Sk, or the row's key length), read only with
+    KEY_BOUND (without it no key of the tile lies past Sk and rows have no lengths of their own:
+    the comparison would be all True); diag_offset = Sk - Sq (bottom-right aligned diagonal);
+    causal is HAS_RIGHT with window_right 0.
     """
-    visible = offs_n[None, :] < key_end[:, None]
+    visible = tl.full([offs_m.shape[0], offs_n.shape[0]], 1, tl.int1)
+    if KEY_BOUND:
+        visible = offs_n[None, :] < key_end[:, None]
     rel = offs_n[None, :] - offs_m[:, None] - diag_offset
     if HAS_RIGHT:
         visible = visible & (rel <= window_right)

@@ -90,7 +90,9 @@ _BWD = {
     (64, False): BwdTileConfig(32, 64, 64, 32, 4, 3),  # 0.980 ms; (64, 64, 64, 64, 4, 2) 1.10
     (64, True): BwdTileConfig(32, 64, 64, 32, 4, 3),  # 0.594 ms; (64, 64, 64, 64, 4, 2) 0.619
     (128, False): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.764 ms; (64, 64, 64, 64, 4, 2) 2.36
-    (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07
+    # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07. Top-k mask + key bias (2026-11-24): 1.28 ms (16
+    # spills); 2 stages 1.47, (32, 128, 128, 64, 8, 3) 1.37, 64x64x4w 1.43, atomic dQ 1.32
+    (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),
     (256, False): BwdTileConfig(64, 64, 64, 64, 8, 1),  # 10.0 ms; (32, 32, 32, 32, 4, 1) 12.2
     (256, True): BwdTileConfig(32, 32, 32, 32, 4, 1),  # 6.29 ms; (64, 64, 64, 64, 8, 1) 6.93
 }
@@ -100,12 +102,14 @@ _BWD = {
 _FWD_ELEMENTWISE = {
     128: TileConfig(64, 64, 4, 2),  # full bias 0.94 ms, key bias 0.89; (64, 64, 4, 3) 1.01 / 1.22
 }
-# a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile
+# a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile.
+# H100, bf16, B2 H16 4k causal top-k (52% tiles), backward kernel (2026-11-24, profiler); the
+# dK/dV programs spill at 255 registers with 64-query tiles (44 spills; 84-100 with atomic dQ)
 _BWD_FULL_BIAS = {
-    # dQ added by the dK/dV programs (atomics): the bias is read once, not by both program kinds.
-    # fwd+bwd 3.55 ms vs 4.81 deterministic in the same run (that run was ~20% slower than
-    # earlier ones throughout); 3 stages 4.70, 64x64x4w 3.93 (deterministic, earlier)
-    128: BwdTileConfig(64, 128, 128, 64, 8, 2, atomic_dq=True),
+    # 2.05 ms; with atomic dQ 2.27-2.58. 32-query dK/dV tiles: 1.96 (no spills), 1.93 at 3
+    # stages, but the mask pre-pass then runs at 32-row tiles: 0.077 -> 0.137 ms, forward-only
+    # calls included (fwd+bwd 2.91-2.93 ms either way). (32, 128, 128, 32) 2.22, 4 warps >= 3.1
+    128: BwdTileConfig(64, 128, 128, 64, 8, 2),
 }
 # dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
 # D128 dense forward asked for 245,760 of 232,448 bytes on the H100

@@ -26,8 +26,8 @@ def _fwd_tiles(
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
     bit_slots, stride_sk, block_bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
     DROPOUT: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -76,7 +76,7 @@ def _fwd_tiles(
                 s += bias.to(tl.float32) * LOG2E
             if PARTIAL:
                 visible = visible_elements(offs_m, keys, key_end, diag_offset, window_left,
-                                           window_right, HAS_LEFT, HAS_RIGHT)
+                                           window_right, HAS_LEFT, HAS_RIGHT, KEY_BOUND)
                 if HAS_MASK:
                     keep = load_pair_tile(mask_rows + start_n.to(tl.int64) * stride_mn, local_m,
                                           offs_n, stride_mm, stride_mn, rows_left,
@@ -225,7 +225,8 @@ def _fwd_kernel(
             seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
             dropout_p, bit_slots, stride_sk, BlockBits,
-            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
+            HAS_ROW_LENS or not EVEN_N, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
             BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
             DOT_PRECISION, TMA, PLAIN_SCORES)
