@@ -98,9 +98,12 @@ _BWD = {
 }
 # element mask and/or bias (explicit mask schedules, bias loads), keyed by padded head dim; other
 # head dims use the masked entries above. H100, bf16, B2 H16 4k, causal top-k mask (52% tiles)
-# + bias, scratch sweep at 2026-11-22:
+# + bias, forward kernel (profiler, 2026-11-24), key / full bias:
 _FWD_ELEMENTWISE = {
-    128: TileConfig(64, 64, 4, 2),  # full bias 0.94 ms, key bias 0.89; (64, 64, 4, 3) 1.01 / 1.22
+    # 0.541 / 0.602 ms; (128, 64, 8, 3) 0.552 / 0.589, (128, 128, 8, 2) 0.570 / 0.640,
+    # (64, 64, 4, 3) 0.639 / 0.646 (the mask tile per stage costs a CTA per SM), (128, 64, 8, 2)
+    # 0.658 / 0.726, (64, 128, 4, 2) 0.733 / 0.732
+    128: TileConfig(64, 64, 4, 2),
 }
 # a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile.
 # H100, bf16, B2 H16 4k causal top-k (52% tiles), backward kernel (2026-11-24, profiler); the
