@@ -633,8 +633,8 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
     One slot per query head when the bias has H heads or one column for all keys (written by the
-    dQ programs, or by the dK/dV programs when dQ goes through atomics: see _bwd_kernel), else
-    one per KV head: the dK/dV program sums its group in place. Slots and batches the bias
+    dQ programs, or by the dK/dV programs when dQ goes through atomics: see attention_backward),
+    else one per KV head: the dK/dV program sums its group in place. Slots and batches the bias
     broadcasts are summed afterwards. A packed bias with a row per query is written once for
     every sequence (each writes its own rows).
     zero_unlisted: a full bias with a slot per query head under explicit lists (`explicit_lists`:
@@ -644,17 +644,17 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     Returns (buffer, its kernel strides, per_qhead, zero_unlisted, finish)."""
     bias_batch, bias_heads, rows, cols = bias.tensor.shape
     dtype_out = bias.tensor.dtype
+    spans = bias.spans_queries_and_keys
     per_qhead = cols == 1 or bias_heads == num_heads
     slots = num_heads if per_qhead else num_heads_k
     buffer_batch = 1 if bias.packed and rows != 1 else batch
-    accumulate = cols != 1 and rows != 1 and not per_qhead and num_heads > num_heads_k
+    accumulate = spans and not per_qhead and num_heads > num_heads_k
     reduce = slots != bias_heads or bias_batch != buffer_batch
     dtype = torch.float32 if reduce or accumulate else dtype_out
     # elements of tiles no program visits must read 0 (packed: keys past a sequence's end too);
     # other layouts are written in full
-    zero_unlisted = explicit_lists and cols != 1 and rows != 1 and bias_heads == num_heads
-    alloc = torch.zeros if ((cols != 1 and rows != 1) or bias.packed) and not zero_unlisted \
-        else torch.empty
+    zero_unlisted = explicit_lists and spans and bias_heads == num_heads
+    alloc = torch.zeros if (spans or bias.packed) and not zero_unlisted else torch.empty
     buffer = alloc((buffer_batch, slots, rows, cols), dtype=dtype, device=bias.tensor.device)
     # size-1 dims at stride 0: packed rows are addressed from each sequence's first row
     strides = tuple(0 if size == 1 else stride for size, stride in zip(buffer.shape,
