@@ -1,0 +1,31 @@
+"""benchmarks/kernel_resources.py: the kernels compile for sm_90a without a GPU and ptxas
+reports their resources."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import triton
+
+TOOL = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernel_resources.py"
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+def test_forward_resources_of_the_tuned_config(tmp_path):
+    """The causal D128 forward at its tuned tiles (64 x 64, 4 warps, 3 stages through tensor
+    descriptors): a real compile, so registers and shared memory come from ptxas and Triton."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the GPU tiles, not the interpreter's
+    cubin = tmp_path / "fwd.cubin"
+    out = subprocess.run([sys.executable, str(TOOL), "--kernel", "fwd", "--causal",
+                          "--seqlen", "256", "--cubin", str(cubin)],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    report = dict(re.findall(r"(\w+)=(\w+)", out))
+    assert report["kernel"] == "_fwd_kernel"
+    assert (report["num_warps"], report["num_stages"]) == ("4", "3")
+    assert 64 <= int(report["registers"]) <= 255
+    # q tile + K/V tiles per stage, bf16: at least 16 KB + 3 x 32 KB
+    assert int(report["shared_bytes"]) >= 16384 + 3 * 32768
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
