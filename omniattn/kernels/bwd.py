@@ -793,8 +793,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     # 8k 4.91-4.92 -> 4.35-4.36 ms, causal 4k 0.898-0.900 -> 0.857-0.868). Dense keeps each
     # head's programs together (tile order: 1.63 -> 1.76 ms, fewer programs share K/V in L2).
     # Grid axis 1 holds at most 65535 programs
-    longest_first = schedule is None and args.has_right and not args.has_left \
-        and n_programs <= 65535
+    longest_first = schedule is None and args.later_rows_see_more and n_programs <= 65535
     grid = (batch * num_heads_k, n_programs) if longest_first \
         else (n_programs, batch * num_heads_k)
     even = packed is None

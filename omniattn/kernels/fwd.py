@@ -325,7 +325,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             EVEN_M=packed is None and seqlen_q % block_m == 0,
             EVEN_N=even_n,
             **BlockBits.kernel_flags(bits),
-            REVERSE_M=schedule is None and args.has_right and not args.has_left,
+            REVERSE_M=schedule is None and args.later_rows_see_more,
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
             LENGTH_RANGES=row_lens is not None and schedule is None,

@@ -120,6 +120,13 @@ class KernelArgs:
         return self.window_right >= 0
 
     @property
+    def later_rows_see_more(self) -> bool:
+        """A right bound without a left one (causal): every row sees the keys of the row before
+        it and more, so the last query tiles and the first key tiles of an implicit schedule
+        carry the most work (the kernels launch those first)."""
+        return self.has_right and not self.has_left
+
+    @property
     def masked(self) -> bool:
         """Causal or windowed: some tiles are PARTIAL, which changes the best tile shape."""
         return self.has_left or self.has_right
