@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--heads-k", type=int, default=16, help="of 16 query heads (GQA below 16)")
     parser.add_argument("--bwd-tiles", help="m1,n1,m2,n2,warps,stages in place of the config")
     parser.add_argument("--cubin", metavar="PATH", help="write the cubin (cuobjdump -sass it)")
     opts = parser.parse_args()
@@ -84,8 +85,9 @@ def main() -> None:
         configs._BWD[configs._key(opts.head_dim, opts.causal)] = tiles
     # the forward takes tensor descriptors on Hopper; these CPU tensors would not say so
     fwd.tma_enabled = lambda device: True
-    q, k, v = (torch.randn(2, opts.seqlen, 16, opts.head_dim, dtype=torch.bfloat16)
-               for _ in range(3))
+    q = torch.randn(2, opts.seqlen, 16, opts.head_dim, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, opts.seqlen, opts.heads_k, opts.head_dim, dtype=torch.bfloat16)
+            for _ in range(2))
     args = KernelArgs.make(opts.head_dim, opts.causal, None, None, 0.0)
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []

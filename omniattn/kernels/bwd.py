@@ -1,9 +1,12 @@
 """Backward: a preprocess (delta = rowsum(dO * O)) then one launch whose first programs compute
-dK/dV for a key tile (walking the transposed schedule over every query head of its KV group, so
-GQA needs neither repeated K/V nor atomics). dQ either comes from the same programs, added into
+dK/dV for a key tile (walking the transposed schedule of one query head of its KV group, fp32
+partials summed per KV head by a small kernel after, or of every head of the group where a key
+bias's gradient is summed over it: GQA needs neither repeated K/V nor atomics). dQ either comes from the same programs, added into
 an fp32 buffer with atomics, or (deterministic) from programs of its own that walk the forward
 schedule for a query tile and write every gradient once."""
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -13,11 +16,41 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      length_kv_range, length_q_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
-from .configs import DROPOUT_MAX_STAGES, backward_config, padded_head_dim
+from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config,
+                      padded_head_dim)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, check_row_order, lse_strides,
                         packed_operands, placeholder, row_lens_operands, row_strides)
+
+
+@triton.jit
+def _sum_kv_parts(
+    DKParts, DVParts, DK, DV, stride_pb, stride_pn, stride_ph,
+    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    seqlen_k, num_heads_k, parts,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK and dV of BLOCK_N keys of one (batch, KV head): the sums, in slot order, of the fp32
+    partials the dK/dV programs of its `parts` query head groups wrote to head slots
+    [hk * parts, (hk + 1) * parts)."""
+    off_b = (tl.program_id(1) // num_heads_k).to(tl.int64)
+    off_hk = (tl.program_id(1) % num_heads_k).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = offs_n.to(tl.int64)[:, None]
+    inside = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    parts_base = off_b * stride_pb + keys * stride_pn + offs_d[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for part in range(parts):
+        slot = (off_hk * parts + part) * stride_ph
+        dk += tl.load(DKParts + parts_base + slot, mask=inside, other=0.0)
+        dv += tl.load(DVParts + parts_base + slot, mask=inside, other=0.0)
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + keys * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=inside)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + keys * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -254,7 +287,8 @@ def _dq_tiles(
 
 @triton.jit
 def _dkdv_program(
-    tile_n, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
+    tile_n, off_b, first_head, HEADS: tl.constexpr, kv_slot, Q, DOut, Lse, Delta, DK, DV, DQ,
+    k_base, v_base,
     stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
     stride_dqb, stride_dqm, stride_dqh, QNum, QIdx, FullQNum, FullQIdx,
@@ -264,7 +298,7 @@ def _dkdv_program(
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
     dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
     bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
-    seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
+    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2,
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -277,10 +311,11 @@ def _dkdv_program(
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
 ):
-    """dK/dV of key tile `tile_n`, summed over the query heads of KV head `off_hk`; with DBIAS
-    (a bias spanning the keys) also dbias of its keys: per query head, or summed over the group
-    into the slot of KV head `off_hk` when DBIAS_PER_QHEAD is off. With ATOMIC_DQ also each
-    query head's dQ share, added into the fp32 DQ."""
+    """dK/dV of key tile `tile_n`, summed over query heads [first_head, first_head + HEADS) (a
+    KV group, or a part of one) into head slot `kv_slot` of DK/DV; with DBIAS (a bias spanning
+    the keys) also dbias of its keys: per query head, or summed over the heads into slot
+    `kv_slot` when DBIAS_PER_QHEAD is off. With ATOMIC_DQ also each query head's dQ share, added
+    into the fp32 DQ."""
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     local_n = tl.arange(0, BLOCK_N)
@@ -299,8 +334,8 @@ def _dkdv_program(
     if LENGTH_RANGES:
         lo, full_lo, full_hi, hi = length_q_range(lo, full_lo, full_hi, hi, row_lens, seqlen_q,
                                                   seqlen_k, start_n, BLOCK_M, BLOCK_N, 1024)
-    for g in range(group):
-        off_h = off_hk * group + g
+    for g in range(HEADS):
+        off_h = first_head + g
         q_tile = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
             + offs_m[:, None] * stride_qm + offs_d[None, :]
         do_tile = DOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
@@ -314,7 +349,7 @@ def _dkdv_program(
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
         bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
-        dbias_slot = off_h if DBIAS_PER_QHEAD else off_hk
+        dbias_slot = off_h if DBIAS_PER_QHEAD else kv_slot
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
         part_num, part_idx, full_num, full_idx = schedule_rows(
@@ -337,19 +372,19 @@ def _dkdv_program(
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and group > 1,
+                HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and HEADS > 1,
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
                 ATOMIC_DQ, ROW_ORDER)
         if DBIAS and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries (and the group's, in one slot)
-            if DBIAS_PER_QHEAD or g == group - 1:
+            if DBIAS_PER_QHEAD or g == HEADS - 1:
                 tl.store(dbias_cols + local_n * stride_dbn,
                          dbias_keys.to(dbias_cols.dtype.element_ty), mask=offs_n < seqlen_k)
                 dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
     dk = dk * softmax_scale
-    dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh \
+    dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + kv_slot.to(tl.int64) * stride_dkh \
         + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh \
+    dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + kv_slot.to(tl.int64) * stride_dvh \
         + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
     store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
@@ -483,7 +518,7 @@ def _bwd_kernel(
     seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
     diag_offset, window_left, window_right, softmax_scale,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
@@ -496,8 +531,9 @@ def _bwd_kernel(
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, LENGTH_RANGES: tl.constexpr,
     ROW_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
-    """Programs [0, n_tiles_n) of the program axis compute dK/dV (one per key tile), the rest dQ
-    (one per query tile and query head of the KV group). LONGEST_FIRST (causal): the program axis
+    """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
+    HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
+    of its own), the rest dQ (one per query tile and query head of the KV group). LONGEST_FIRST (causal): the program axis
     is grid axis 1, so the GPU starts every (batch, KV head)'s first program before any second
     one, and dQ programs take their query tiles last to first: the longest run first."""
     if LONGEST_FIRST:
@@ -535,11 +571,15 @@ def _bwd_kernel(
     row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
     row_order = RowOrder + off_b.to(tl.int64) * stride_rlb
     bit_batch = BitSlots + off_b * stride_sb
-    if pid < n_tiles_n:
-        if pid * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
+    kv_split = group // HEADS_PER_PROGRAM
+    if pid < n_tiles_n * kv_split:
+        tile_n = pid // kv_split
+        if tile_n * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
             return
+        part = pid % kv_split
         _dkdv_program(
-            pid, off_b, off_hk, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
+            tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
+            off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
             stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
             stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
             stride_lb, stride_lh, stride_dqb, stride_dqm, stride_dqh,
@@ -550,7 +590,7 @@ def _bwd_kernel(
             bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
             dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
             bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
-            seqlen_q, seqlen_k, group, diag_offset, window_left, window_right, softmax_scale,
+            seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
             qk_scale_log2, softcap_inv_scaled, softcap_log2,
             rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
             HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
@@ -560,7 +600,7 @@ def _bwd_kernel(
             EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ,
             LENGTH_RANGES, ROW_ORDER)
     else:
-        work = pid - n_tiles_n
+        work = pid - n_tiles_n * kv_split
         tile_m = work % n_tiles_m
         if LONGEST_FIRST:
             tile_m = n_tiles_m - 1 - tile_m
@@ -788,7 +828,17 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         _zero_unlisted(dbias_buffer, dbias_strides,
                        schedule.dq if dbias_tiles_in_dq else schedule.dkdv,
                        not dbias_tiles_in_dq, seqlen_q, seqlen_k)
-    n_programs = n_tiles_n + (0 if atomic_dq else group * n_tiles_m)
+    # a KV group split across dK/dV programs: each part writes fp32 partials to a head slot of
+    # its own, summed after. A key bias's gradient summed over the group stays in one program
+    heads_per_program = group if bias_grad and not dbias_per_qhead else \
+        math.gcd(group, DKDV_HEADS_PER_PROGRAM)
+    kv_split = group // heads_per_program
+    dk_out, dv_out = dk, dv
+    if kv_split > 1:
+        parts_shape = (*k.shape[:-2], num_heads_k * kv_split, head_dim)
+        dk = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
+    n_programs = n_tiles_n * kv_split + (0 if atomic_dq else group * n_tiles_m)
     # causal: programs in tile order across heads, longest first (H200 backward kernel: GQA 32/8
     # 8k 4.91-4.92 -> 4.35-4.36 ms, causal 4k 0.898-0.900 -> 0.857-0.868). Dense keeps each
     # head's programs together (tile order: 1.63 -> 1.76 ms, fewer programs share K/V in L2).
@@ -811,7 +861,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PER_PROGRAM=heads_per_program,
         BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
         **Elementwise.kernel_flags(mask, bias),
@@ -827,4 +877,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)
-    return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
+    if kv_split > 1:
+        sum_batch, sum_rows = (1, k.shape[0]) if packed is not None else (batch, seqlen_k)
+        _sum_kv_parts[(triton.cdiv(sum_rows, 64), sum_batch * num_heads_k)](
+            dk, dv, dk_out, dv_out, *row_strides(dk), *row_strides(dk_out), *row_strides(dv_out),
+            sum_rows, num_heads_k, kv_split, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64,
+        )
+    return dq, dk_out, dv_out, finish_dbias(dbias_buffer) if bias_grad else None

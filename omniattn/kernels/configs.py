@@ -114,6 +114,11 @@ _BWD_FULL_BIAS = {
     # calls included (fwd+bwd 2.91-2.93 ms either way). (32, 128, 128, 32) 2.22, 4 warps >= 3.1
     128: BwdTileConfig(64, 128, 128, 64, 8, 2),
 }
+# query heads per dK/dV program under GQA: one (the group's heads in separate programs, fp32
+# partials summed after) keeps the program MHA's; a loop over heads raised the spills from 176 to
+# 932 B (ptxas). H200 backward kernel + partial sum, ms: GQA 32/8 causal 8k 4.27 -> 3.27 + 0.13,
+# dense 8k 7.36 -> 6.41 + 0.13, 16/2 causal 4k 1.57 -> 0.92 + 0.06; 2 heads per program 4.39
+DKDV_HEADS_PER_PROGRAM = 1
 # dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
 # D128 dense forward asked for 245,760 of 232,448 bytes on the H100
 DROPOUT_MAX_STAGES = 2
@@ -157,3 +162,4 @@ def backward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
     if full_bias and key[0] in _BWD_FULL_BIAS:
         return _BWD_FULL_BIAS[key[0]]
     return _BWD[key]
+
