@@ -115,9 +115,10 @@ _BWD_FULL_BIAS = {
     128: BwdTileConfig(64, 128, 128, 64, 8, 2),
 }
 # query heads per dK/dV program under GQA: one (the group's heads in separate programs, fp32
-# partials summed after) keeps the program MHA's; a loop over heads raised the spills from 176 to
-# 932 B (ptxas). H200 backward kernel + partial sum, ms: GQA 32/8 causal 8k 4.27 -> 3.27 + 0.13,
-# dense 8k 7.36 -> 6.41 + 0.13, 16/2 causal 4k 1.57 -> 0.92 + 0.06; 2 heads per program 4.39
+# partials summed after by _sum_kv_parts) keeps the program MHA's; a loop over the heads raised
+# its spills from 176 to 932 B (ptxas). H200 backward kernels, ms (2026-11-23): GQA 32/8 causal
+# 8k 4.24-4.26 -> 3.24 + 0.08 (sum), dense 8k 7.32-7.38 -> 6.34-6.47 + 0.08, 16/2 causal 4k
+# 1.55-1.57 -> 0.94 + 0.04; 2 heads per program (a loop of 2) 4.39 at 8k causal
 DKDV_HEADS_PER_PROGRAM = 1
 # dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
 # D128 dense forward asked for 245,760 of 232,448 bytes on the H100
