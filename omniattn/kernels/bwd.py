@@ -1,9 +1,9 @@
 """Backward: a preprocess (delta = rowsum(dO * O)) then one launch whose first programs compute
 dK/dV for a key tile (walking the transposed schedule of one query head of its KV group, fp32
-partials summed per KV head by a small kernel after, or of every head of the group where a key
-bias's gradient is summed over it: GQA needs neither repeated K/V nor atomics). dQ either comes from the same programs, added into
-an fp32 buffer with atomics, or (deterministic) from programs of its own that walk the forward
-schedule for a query tile and write every gradient once."""
+partials summed per KV head by a small kernel after; of every head of the group where a full
+bias's gradient is summed over it: GQA needs neither repeated K/V nor atomics). dQ either comes
+from the same programs, added into an fp32 buffer with atomics, or (deterministic) from programs
+of its own that walk the forward schedule for a query tile and write every gradient once."""
 from __future__ import annotations
 
 import math
@@ -533,9 +533,10 @@ def _bwd_kernel(
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
-    of its own), the rest dQ (one per query tile and query head of the KV group). LONGEST_FIRST (causal): the program axis
-    is grid axis 1, so the GPU starts every (batch, KV head)'s first program before any second
-    one, and dQ programs take their query tiles last to first: the longest run first."""
+    of its own), the rest dQ (one per query tile and query head of the KV group). LONGEST_FIRST
+    (causal): the program axis is grid axis 1, so the GPU starts every (batch, KV head)'s first
+    program before any second one, and dQ programs take their query tiles last to first: the
+    longest run first."""
     if LONGEST_FIRST:
         pid = tl.program_id(1)
         off_bhk = tl.program_id(0)
@@ -683,11 +684,13 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
                   explicit_lists: bool):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
-    One slot per query head when the bias has H heads or one column for all keys (written by the
-    dQ programs, or by the dK/dV programs when dQ goes through atomics: see attention_backward),
-    else one per KV head: the dK/dV program sums its group in place. Slots and batches the bias
-    broadcasts are summed afterwards. A packed bias with a row per query is written once for
-    every sequence (each writes its own rows).
+    One slot per query head when the bias has H heads or a single row or column (then a vector
+    per head): the dK/dV programs, one per query head, write a key bias's (one row); the dQ
+    programs a query bias's (one column) and a full bias's tiles (the dK/dV programs when dQ
+    goes through atomics: see attention_backward). Otherwise one slot per KV head: the dK/dV
+    program sums its group in place. Slots and batches the bias broadcasts are summed
+    afterwards. A packed bias with a row per query is written once for every sequence (each
+    writes its own rows).
     zero_unlisted: a full bias with a slot per query head under explicit lists (`explicit_lists`:
     a schedule over a padded batch) is stored tile by tile by one pass, so only the tiles its
     lists leave out need zeros: the caller writes them (`_zero_unlisted`) instead of the buffer
@@ -696,7 +699,7 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     bias_batch, bias_heads, rows, cols = bias.tensor.shape
     dtype_out = bias.tensor.dtype
     spans = bias.spans_queries_and_keys
-    per_qhead = cols == 1 or bias_heads == num_heads
+    per_qhead = cols == 1 or rows == 1 or bias_heads == num_heads
     slots = num_heads if per_qhead else num_heads_k
     buffer_batch = 1 if bias.packed and rows != 1 else batch
     accumulate = spans and not per_qhead and num_heads > num_heads_k
@@ -829,7 +832,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        schedule.dq if dbias_tiles_in_dq else schedule.dkdv,
                        not dbias_tiles_in_dq, seqlen_q, seqlen_k)
     # a KV group split across dK/dV programs: each part writes fp32 partials to a head slot of
-    # its own, summed after. A key bias's gradient summed over the group stays in one program
+    # its own, summed after. A full bias shared by a KV group sums its gradient in one program
     heads_per_program = group if bias_grad and not dbias_per_qhead else \
         math.gcd(group, DKDV_HEADS_PER_PROGRAM)
     kv_split = group // heads_per_program
