@@ -163,4 +163,3 @@ def backward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
     if full_bias and key[0] in _BWD_FULL_BIAS:
         return _BWD_FULL_BIAS[key[0]]
     return _BWD[key]
-
