@@ -376,11 +376,11 @@ def _dkdv_program(
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
                 ATOMIC_DQ, ROW_ORDER)
         if DBIAS and BIAS_ROWS_SHARED:
-            # a key bias: the sum over this head's queries (and the group's, in one slot)
-            if DBIAS_PER_QHEAD or g == HEADS - 1:
-                tl.store(dbias_cols + local_n * stride_dbn,
-                         dbias_keys.to(dbias_cols.dtype.element_ty), mask=offs_n < seqlen_k)
-                dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
+            # a key bias: the sum over this head's queries, in the head's own slot
+            tl.static_assert(DBIAS_PER_QHEAD, "a key bias's gradient has a slot per query head")
+            tl.store(dbias_cols + local_n * stride_dbn,
+                     dbias_keys.to(dbias_cols.dtype.element_ty), mask=offs_n < seqlen_k)
+            dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
     dk = dk * softmax_scale
     dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + kv_slot.to(tl.int64) * stride_dkh \
         + start_n.to(tl.int64) * stride_dkn + local_n[:, None] * stride_dkn + offs_d[None, :]
