@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
-from omniattn.kernels import configs
+from omniattn.kernels import configs, fwd
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -140,6 +140,38 @@ def test_pointer_loads(monkeypatch, case):
 def test_tma_dense_tiles(case):
     """Dense launches of many full 128x128 tiles through tensor descriptors (outputs poisoned:
     a warp-specialised variant of this loop once left lse rows unwritten)."""
+    check_case(*case)
+
+
+GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
+               (1, 513, 2049, 4, 1, 128, torch.float16, "dense", 0.0),
+               (2, 2048, 1024, 4, 4, 128, torch.bfloat16, "causal", 0.0),
+               (1, 700, 900, 4, 2, 128, torch.bfloat16, "right_only", 0.0),
+               (3, 129, 1, 2, 2, 128, torch.float16, "causal", 0.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_gluon_forward(monkeypatch, case):
+    """Multi-tile launches of the Gluon forward (producer + two consumer warpgroups): ring
+    wrap-around, masked tail tiles, rows that see no key, a consumer with fewer tiles than its
+    program. Fails if the call did not take the Gluon path."""
+    calls = []
+    launch = fwd.hopper_forward
+    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append(1) or launch(*a))
+    check_case(*case)
+    assert calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("case", [(2, 255, 113, 8, 2, 128, torch.bfloat16, "dense", 0.0),
+                                  (2, 113, 255, 8, 8, 128, torch.float16, "causal", 0.0)],
+                         ids=["dense", "causal"])
+def test_triton_forward_where_gluon_applies(monkeypatch, case):
+    """OMNIATTN_GLUON=0: the calls the Gluon forward takes on sm90 stay exact in fwd.py."""
+    monkeypatch.setenv("OMNIATTN_GLUON", "0")
     check_case(*case)
 
 

@@ -51,6 +51,12 @@ def tma_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def gluon_forward_enabled() -> bool:
+    """The Gluon forward (fwd_hopper.py) where it applies; OMNIATTN_GLUON=0 keeps every call on
+    fwd.py (the A/B switch of the GPU tests and benchmarks)."""
+    return os.environ.get("OMNIATTN_GLUON", "1") != "0"
+
+
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 # the interpreter runs the atomic dQ path (test_deterministic_backward the other one)
 _INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1, atomic_dq=True)
@@ -126,6 +132,34 @@ DROPOUT_MAX_STAGES = 2
 # fp32 inputs use IEEE dots (exact fp32, no tensor cores): small tiles keep registers in budget
 _FP32 = TileConfig(32, 32, 4, 1)
 _FP32_BWD = BwdTileConfig(32, 32, 32, 32, 4, 1)
+
+
+@dataclass(frozen=True)
+class HopperTileConfig:
+    """Tiles of the Gluon forward (fwd_hopper.py): block_m query rows per program (half per
+    consumer warpgroup), block_n keys per K/V buffer, num_buffers in the ring; registers per
+    thread of the consumer and producer partitions."""
+
+    block_m: int
+    block_n: int
+    num_buffers: int
+    consumer_regs: int
+    producer_regs: int
+
+
+# Gluon forward, keyed by head dim (exact: no padding). H100, bf16, do_bench, against fwd.py
+# and cuDNN in the same process (2026-11-23), ms: dense B2 H16 4k 0.433-0.453 (fwd.py 0.546,
+# cuDNN 0.439), B1 H16 16k 3.47-3.49 (4.015, 3.555), causal 4k 0.266 (0.330, 0.271), causal 16k
+# 1.79-1.90 (2.246, 1.969), GQA 32/8 causal 8k 0.943 (1.202, 0.990). 2 buffers: dense 4k 0.509;
+# 128-key tiles beat 64 under causal (4k 0.284, 16k 1.93-1.98); registers (240, 24) or (200, 56)
+# change nothing. D64 stays in fwd.py: 0.351-0.370 dense 4k against its 0.331
+_FWD_HOPPER = {
+    128: HopperTileConfig(128, 128, 3, 232, 40),
+}
+
+
+def hopper_forward_config(head_dim: int) -> HopperTileConfig | None:
+    return _FWD_HOPPER.get(head_dim)
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -9,8 +9,10 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
                      load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
                      scores_log2, sequence_bounds, visible_elements)
-from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
+from .configs import (DROPOUT_MAX_STAGES, forward_config, gluon_forward_enabled, padded_head_dim,
+                      tma_enabled)
 from .elementwise import Elementwise
+from .fwd_hopper import hopper_forward, hopper_forward_applies
 from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, check_row_order, lse_shape, lse_strides,
                         packed_operands, row_lens_operands, row_strides, tma_compatible,
@@ -298,6 +300,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if k.numel() == 0:  # every row sees no key
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() == 0:
+        return out, lse
+    plain = schedule is None and bits is None and not elementwise and row_lens is None \
+        and packed is None and dropout[0] == 0
+    if plain and gluon_forward_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
+        hopper_forward(q, k, v, args, out, lse)
         return out, lse
     n_tiles_m = triton.cdiv(seqlen_q, block_m)
     even_n = packed is None and seqlen_k % block_n == 0

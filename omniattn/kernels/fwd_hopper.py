@@ -1,0 +1,301 @@
+"""Hopper forward for the schedules without per-element terms (dense, causal / right window, GQA),
+written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory
+buffers, two consumer warpgroups each own 64 query rows of the program's 128. Each consumer
+issues the next tile's QK^T before the softmax of the current one, so the softmax runs while the
+tensor cores compute P V of the tile before (FA3's intra-warpgroup overlap, with asynchronous
+wgmma and explicit waits that Triton's `tl.dot` does not expose). Everything else (masks, biases,
+block masks, row lengths, packing, dropout, softcap, left windows) runs in `fwd.py`."""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .configs import hopper_forward_config, interpreting
+from .schedule import KernelArgs
+from .sequences import tma_compatible
+
+FLAT_DESCRIPTORS = True
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+             off_b, off_h, off_hk, start_m, num_tiles, seqlen_q, seqlen_k,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
+    """Producer: each consumer's query rows once, then K and V tile j into buffer j % NUM_BUF
+    as soon as both consumers released the tile that used it before."""
+    for c in gl.static_range(2):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        if FLAT:
+            tma.async_copy_global_to_shared(
+                q_desc, [off_b * seqlen_q + start_m + c * BLOCK_M, off_h * HEAD_DIM],
+                q_ready.index(c), q_smem.index(c))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + c * BLOCK_M, off_h, 0],
+                                            q_ready.index(c), q_smem.index(c))
+    for j in range(num_tiles):
+        buf = j % NUM_BUF
+        # a fresh barrier passes a wait on parity 1: the first round needs no release
+        mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
+        if FLAT:
+            tma.async_copy_global_to_shared(
+                k_desc, [off_b * seqlen_k + j * BLOCK_N, off_hk * HEAD_DIM], k_ready.index(buf),
+                k_smem.index(buf))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0],
+                                            k_ready.index(buf), k_smem.index(buf))
+        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
+        if FLAT:
+            tma.async_copy_global_to_shared(
+                v_desc, [off_b * seqlen_k + j * BLOCK_N, off_hk * HEAD_DIM], v_ready.index(buf),
+                v_smem.index(buf))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0],
+                                            v_ready.index(buf), v_smem.index(buf))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset, window_right, qk_scale_log2,
+                  MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online-softmax update for the scores s [BM, BN] of key tile j -> (p, m, l, alpha).
+    MASKED tiles drop keys past Sk and right of each row's window; elsewhere every row sees
+    every key, so the row max is finite and needs no -inf guard."""
+    if MASKED:
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        key_end = gl.full_like(rows, 0) + seqlen_k  # [BM]
+        if HAS_RIGHT:
+            key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
+        s = gl.where(keys[None, :] < key_end[:, None], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_shift[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
+        m_shift = m_new
+        p = gl.exp2(s * qk_scale_log2 - m_new[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
+            stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
+            window_right, qk_scale_log2, num_tiles_cta,
+            CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+            FLAT: gl.constexpr):
+    """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles. Tile j's
+    QK^T is issued before the softmax of tile j - 1... (see the module docstring); a tile this
+    consumer does not need is still released once loaded, so the producer's ring keeps turning."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row0 = start_m + CONSUMER * BLOCK_M
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    # tiles [0, num_full) are whole for every row of this consumer, [num_full, num_tiles) masked
+    key_hi = seqlen_k
+    key_full = seqlen_k
+    if HAS_RIGHT:
+        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
+        key_hi = gl.maximum(gl.minimum(key_hi, last_row + diag_offset + window_right + 1), 0)
+        key_full = gl.maximum(gl.minimum(key_full, row0 + diag_offset + window_right + 1), 0)
+    num_tiles = gl.cdiv(key_hi, BLOCK_N)
+    if row0 >= seqlen_q:
+        num_tiles = 0
+    num_full = gl.minimum(key_full // BLOCK_N, num_tiles)
+
+    q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    if num_tiles > 0:
+        mbarrier.wait(q_ready.index(CONSUMER), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                          s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, 0, seqlen_k, diag_offset,
+                                           window_right, qk_scale_log2, True, HAS_RIGHT, BLOCK_N)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        for j in range(1, num_full):
+            acc, p_op, m_i, l_i = _overlapped_tile(
+                j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i, s_zero,
+                rows, seqlen_k, diag_offset, window_right, qk_scale_log2, False, HAS_RIGHT,
+                BLOCK_N, HEAD_DIM, NUM_BUF, o_layout, p_layout)
+        for j in range(gl.maximum(num_full, 1), num_tiles):
+            acc, p_op, m_i, l_i = _overlapped_tile(
+                j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i, s_zero,
+                rows, seqlen_k, diag_offset, window_right, qk_scale_log2, True, HAS_RIGHT,
+                BLOCK_N, HEAD_DIM, NUM_BUF, o_layout, p_layout)
+        last = (num_tiles - 1) % NUM_BUF
+        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(kv_free.index(last))
+    for j in range(num_tiles, num_tiles_cta):
+        # loaded for the other consumer: release it once it is there
+        mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+        mbarrier.arrive(kv_free.index(j % NUM_BUF))
+
+    seen = l_i > 0.0
+    l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    out = (acc / l_o[:, None]).to(q.dtype)  # rows that saw no key: 0
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+    # the query buffer is free now: stage the output there; TMA drops rows past Sq
+    mbarrier.wait(q_ready.index(CONSUMER), 0)
+    q.store(out)
+    fence_async_shared()
+    if FLAT:
+        tma.async_copy_shared_to_global(o_desc, [off_b * seqlen_q + row0, off_h * HEAD_DIM],
+                                        q_smem.index(CONSUMER))
+    else:
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_smem.index(CONSUMER))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _overlapped_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                     s_zero, rows, seqlen_k, diag_offset, window_right, qk_scale_log2,
+                     MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr):
+    """Issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the softmax of S_j runs while the second
+    is on the tensor cores; then tile j - 1's buffers go back to the producer."""
+    buf = j % NUM_BUF
+    prev = (j - 1) % NUM_BUF
+    mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
+    s = warpgroup_mma(q, k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                        is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset,
+                                       window_right, qk_scale_log2, MASKED, HAS_RIGHT, BLOCK_N)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(kv_free.index(prev))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+
+
+@gluon.jit
+def _fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
+    seqlen_q, seqlen_k, num_heads, group, diag_offset, window_right, qk_scale_log2,
+    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+    FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    tile_m = gl.program_id(0)
+    if REVERSE_M:
+        # causal: the longest rows start first, so the tail of the grid is short work
+        tile_m = gl.num_programs(0) - 1 - tile_m
+    off_bh = gl.program_id(1)
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    start_m = tile_m * (2 * BLOCK_M)
+    # the producer loads the tiles the second consumer (later rows) needs
+    num_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+    if HAS_RIGHT:
+        last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
+        key_hi = gl.minimum(seqlen_k, last_row + diag_offset + window_right + 1)
+        num_tiles = gl.cdiv(gl.maximum(key_hi, 0), BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)  # one release per consumer
+
+    gl.warp_specialize([
+        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
+                   stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
+                   window_right, qk_scale_log2, num_tiles, 0, HAS_RIGHT, BLOCK_M, BLOCK_N,
+                   HEAD_DIM, NUM_BUF, FLAT)),
+        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
+                   stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
+                   window_right, qk_scale_log2, num_tiles, 1, HAS_RIGHT, BLOCK_M, BLOCK_N,
+                   HEAD_DIM, NUM_BUF, FLAT)),
+        (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                    kv_free, off_b, off_h, off_h // group, start_m, num_tiles, seqlen_q,
+                    seqlen_k, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, args: KernelArgs) -> bool:
+    """Whether `hopper_forward` runs this call: sm90, bf16 / fp16, (B, S, H, D) tensors with a
+    head dim it has tiles for, no softcap, no left window, descriptors' alignment."""
+    if interpreting() or q.device.type != "cuda" or q.dim() != 4 or lse.dim() != 3:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or args.softcap > 0 or args.has_left:
+        return False
+    if hopper_forward_config(q.shape[-1]) is None or lse.stride(-1) != 1:
+        return False
+    return tma_compatible(q, k, v, out)
+
+
+def _flat_rows(t: torch.Tensor) -> bool:
+    """(B, S, H, D) with heads and rows packed: viewable as (B * S, H * D)."""
+    batch, seqlen, heads, dim = t.shape
+    return t.stride(2) == dim and t.stride(0) == seqlen * t.stride(1)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, flat: bool) -> TensorDescriptor:
+    """4-d over (B, S, H, D): tiles stop at each sequence's end (TMA fills 0, drops stores);
+    flat: 2-d over (B * S, H * D), for launches whose tiles never cross a sequence's end."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    if flat:
+        block = [block_rows, t.shape[-1]]
+        t = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    else:
+        block = [1, block_rows, 1, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                   out: torch.Tensor, lse: torch.Tensor) -> None:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in
+    place; the caller checked `hopper_forward_applies`."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    cfg = hopper_forward_config(head_dim)
+    block_m = cfg.block_m // 2  # rows per consumer warpgroup
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
+    flat = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0 \
+        and all(_flat_rows(t) for t in (q, k, v, out)) and FLAT_DESCRIPTORS
+    _fwd_hopper_kernel[grid](
+        _descriptor(q, block_m, flat), _descriptor(k, cfg.block_n, flat),
+        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0), lse.stride(1),
+        seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
+        args.window_right, args.qk_scale_log2,
+        HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers, FLAT=flat,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
