@@ -143,6 +143,15 @@ def test_tma_dense_tiles(case):
     check_case(*case)
 
 
+@pytest.fixture
+def gluon_calls(monkeypatch) -> list:
+    """Counts the launches of the Gluon forward."""
+    calls = []
+    launch = fwd.hopper_forward
+    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append(1) or launch(*a))
+    return calls
+
+
 GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (1, 513, 2049, 4, 1, 128, torch.float16, "dense", 0.0),
                (2, 2048, 1024, 4, 4, 128, torch.bfloat16, "causal", 0.0),
@@ -153,15 +162,29 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_gluon_forward(monkeypatch, case):
+def test_gluon_forward(gluon_calls, case):
     """Multi-tile launches of the Gluon forward (producer + two consumer warpgroups): ring
     wrap-around, masked tail tiles, rows that see no key, a consumer with fewer tiles than its
     program. Fails if the call did not take the Gluon path."""
-    calls = []
-    launch = fwd.hopper_forward
-    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append(1) or launch(*a))
     check_case(*case)
-    assert calls, "the Gluon forward did not run"
+    assert gluon_calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("seqlen", [256, 200])
+def test_gluon_forward_head_major_layout(gluon_calls, seqlen):
+    """q/k/v/out as (B, H, S, D) storage seen through (B, S, H, D) views: heads are not packed
+    within a row, so the descriptors are 4-d whatever the lengths."""
+    torch.manual_seed(seqlen)
+    q, k, v = (torch.randn(2, heads, seqlen, 128, device=DEVICE, dtype=torch.bfloat16)
+               .transpose(1, 2) for heads in (8, 2, 2))
+    args = KernelArgs.make(128, True, None, None, 0.0)
+    out = nan_like(q.transpose(1, 2).contiguous()).transpose(1, 2)
+    lse = torch.full((2, 8, seqlen), float("nan"), device=DEVICE)
+    attention_forward(q, k, v, args, out=out, lse=lse)
+    check_against_reference(out, lse, None, q, k, v, torch.zeros_like(q), causal=True)
+    assert gluon_calls, "the Gluon forward did not run"
 
 
 @pytest.mark.gpu
