@@ -5,6 +5,7 @@ benchmarks/results/). Under TRITON_INTERPRET=1 tiles are 16 so tiny test shapes 
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -41,6 +42,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, asked once (torch's query was 5% of a launch's host
+    time)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def tma_enabled(device: torch.device) -> bool:
     """K/V tiles through tensor descriptors (TMA on sm90+; the interpreter emulates them).
     OMNIATTN_TMA=0 turns them off (the pointer path stays tested)."""
@@ -48,7 +60,7 @@ def tma_enabled(device: torch.device) -> bool:
         return False
     if interpreting():
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and compute_capability(device)[0] >= 9
 
 
 def gluon_forward_enabled() -> bool:

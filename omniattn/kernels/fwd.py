@@ -284,9 +284,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     out = torch.empty_like(q) if out is None else out
     if lse is None:
         lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+    if k.numel() == 0:  # every row sees no key
+        return out.zero_(), lse.fill_(float("-inf"))
+    if out.numel() == 0:
+        return out, lse
+    elementwise = mask is not None or bias is not None
+    plain = schedule is None and bits is None and not elementwise and row_lens is None \
+        and packed is None and dropout[0] == 0
+    if plain and gluon_forward_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
+        hopper_forward(q, k, v, args, out, lse)
+        return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None
-    elementwise = mask is not None or bias is not None
     cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
     block_m, block_n = cfg.block_m, cfg.block_n
     num_warps, num_stages = cfg.num_warps, cfg.num_stages
@@ -297,15 +306,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if dropout[0] > 0:
         # the dropout draws are regrouped through shared memory: one stage less
         num_stages = min(num_stages, DROPOUT_MAX_STAGES)
-    if k.numel() == 0:  # every row sees no key
-        return out.zero_(), lse.fill_(float("-inf"))
-    if out.numel() == 0:
-        return out, lse
-    plain = schedule is None and bits is None and not elementwise and row_lens is None \
-        and packed is None and dropout[0] == 0
-    if plain and gluon_forward_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
-        hopper_forward(q, k, v, args, out, lse)
-        return out, lse
     n_tiles_m = triton.cdiv(seqlen_q, block_m)
     even_n = packed is None and seqlen_k % block_n == 0
     sched = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \

@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .configs import hopper_forward_config, interpreting
+from .configs import compute_capability, hopper_forward_config, interpreting
 from .schedule import KernelArgs
 from .sequences import tma_compatible
 
@@ -253,7 +253,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     head dim it has tiles for, no softcap, no left window, descriptors' alignment."""
     if interpreting() or q.device.type != "cuda" or q.dim() != 4 or lse.dim() != 3:
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if compute_capability(q.device)[0] != 9:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or args.softcap > 0 or args.has_left:
         return False
