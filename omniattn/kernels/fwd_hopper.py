@@ -93,9 +93,9 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
             FLAT: gl.constexpr):
-    """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles. Tile j's
-    QK^T is issued before the softmax of tile j - 1... (see the module docstring); a tile this
-    consumer does not need is still released once loaded, so the producer's ring keeps turning."""
+    """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles, each through
+    `_overlapped_tile`. A tile this consumer does not need (the other one's rows see further) is
+    still released once loaded, so the producer's ring keeps turning."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -143,7 +143,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
                             is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(kv_free.index(last))
     for j in range(num_tiles, num_tiles_cta):
         # loaded for the other consumer: release it once it is there
@@ -187,7 +187,8 @@ def _overlapped_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op,
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset,
                                        window_right, qk_scale_log2, MASKED, HAS_RIGHT, BLOCK_N)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
