@@ -276,7 +276,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream.
-    `out` / `lse` may be given (preallocated, any strides with a contiguous last dim)."""
+    `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
+    Calls with none of schedule, bits, mask, bias, row_lens, packed or dropout run the Gluon
+    kernel of fwd_hopper.py where it applies (sm90, head dim 128, no softcap or left window)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
