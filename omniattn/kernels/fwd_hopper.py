@@ -25,6 +25,17 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
+               FLAT: gl.constexpr):
+    """TMA copy of the tile at (batch, first row, head) into dst; it arrives on `ready`."""
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    if FLAT:
+        tma.async_copy_global_to_shared(desc, [off_b * seqlen + row, head * HEAD_DIM], ready, dst)
+    else:
+        tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], ready, dst)
+
+
+@gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, num_tiles, seqlen_q, seqlen_k,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -32,34 +43,26 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
     """Producer: each consumer's query rows once, then K and V tile j into buffer j % NUM_BUF
     as soon as both consumers released the tile that used it before."""
     for c in gl.static_range(2):
-        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        if FLAT:
-            tma.async_copy_global_to_shared(
-                q_desc, [off_b * seqlen_q + start_m + c * BLOCK_M, off_h * HEAD_DIM],
-                q_ready.index(c), q_smem.index(c))
-        else:
-            tma.async_copy_global_to_shared(q_desc, [off_b, start_m + c * BLOCK_M, off_h, 0],
-                                            q_ready.index(c), q_smem.index(c))
+        _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
+                   q_smem.index(c), HEAD_DIM, FLAT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes)
-        if FLAT:
-            tma.async_copy_global_to_shared(
-                k_desc, [off_b * seqlen_k + j * BLOCK_N, off_hk * HEAD_DIM], k_ready.index(buf),
-                k_smem.index(buf))
-        else:
-            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0],
-                                            k_ready.index(buf), k_smem.index(buf))
-        mbarrier.expect(v_ready.index(buf), v_desc.block_type.nbytes)
-        if FLAT:
-            tma.async_copy_global_to_shared(
-                v_desc, [off_b * seqlen_k + j * BLOCK_N, off_hk * HEAD_DIM], v_ready.index(buf),
-                v_smem.index(buf))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0],
-                                            v_ready.index(buf), v_smem.index(buf))
+        _load_tile(k_desc, off_b, j * BLOCK_N, off_hk, seqlen_k, k_ready.index(buf),
+                   k_smem.index(buf), HEAD_DIM, FLAT)
+        _load_tile(v_desc, off_b, j * BLOCK_N, off_hk, seqlen_k, v_ready.index(buf),
+                   v_smem.index(buf), HEAD_DIM, FLAT)
+
+
+@gluon.jit
+def _key_end(row, seqlen_k, diag_offset, window_right, HAS_RIGHT: gl.constexpr):
+    """Where the keys that query `row` sees end (exclusive, at least 0)."""
+    if HAS_RIGHT:
+        end = gl.maximum(gl.minimum(seqlen_k, row + diag_offset + window_right + 1), 0)
+    else:
+        end = seqlen_k
+    return end
 
 
 @gluon.jit
@@ -104,15 +107,12 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     row0 = start_m + CONSUMER * BLOCK_M
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     # tiles [0, num_full) are whole for every row of this consumer, [num_full, num_tiles) masked
-    key_hi = seqlen_k
-    key_full = seqlen_k
-    if HAS_RIGHT:
-        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
-        key_hi = gl.maximum(gl.minimum(key_hi, last_row + diag_offset + window_right + 1), 0)
-        key_full = gl.maximum(gl.minimum(key_full, row0 + diag_offset + window_right + 1), 0)
-    num_tiles = gl.cdiv(key_hi, BLOCK_N)
+    last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
+    num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
+                        BLOCK_N)
     if row0 >= seqlen_q:
         num_tiles = 0
+    key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
     num_full = gl.minimum(key_full // BLOCK_N, num_tiles)
 
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
@@ -210,12 +210,10 @@ def _fwd_hopper_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
-    # the producer loads the tiles the second consumer (later rows) needs
-    num_tiles = gl.cdiv(seqlen_k, BLOCK_N)
-    if HAS_RIGHT:
-        last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
-        key_hi = gl.minimum(seqlen_k, last_row + diag_offset + window_right + 1)
-        num_tiles = gl.cdiv(gl.maximum(key_hi, 0), BLOCK_N)
+    # the producer loads the tiles the program's last row needs (the second consumer's)
+    last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
+    num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
+                        BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape,
