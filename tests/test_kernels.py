@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
-from omniattn.kernels import configs, fwd
+from omniattn.kernels import bwd, configs, fwd
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -145,10 +145,11 @@ def test_tma_dense_tiles(case):
 
 @pytest.fixture
 def gluon_calls(monkeypatch) -> list:
-    """Counts the launches of the Gluon forward."""
+    """Records the launches of the Gluon forward ("fwd") and backward ("bwd")."""
     calls = []
-    launch = fwd.hopper_forward
-    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append(1) or launch(*a))
+    forward, backward = fwd.hopper_forward, bwd.hopper_backward
+    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
+    monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
     return calls
 
 
@@ -156,24 +157,27 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (1, 513, 2049, 4, 1, 128, torch.float16, "dense", 0.0),
                (2, 2048, 1024, 4, 4, 128, torch.bfloat16, "causal", 0.0),
                (1, 700, 900, 4, 2, 128, torch.bfloat16, "right_only", 0.0),
-               (3, 129, 1, 2, 2, 128, torch.float16, "causal", 0.0)]
+               (3, 129, 1, 2, 2, 128, torch.float16, "causal", 0.0),
+               (1, 255, 113, 4, 2, 128, torch.bfloat16, "causal", 0.0),
+               (2, 1, 17, 4, 1, 128, torch.float16, "dense", 0.0)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_gluon_forward(gluon_calls, case):
-    """Multi-tile launches of the Gluon forward (producer + two consumer warpgroups): ring
-    wrap-around, masked tail tiles, rows that see no key, a consumer with fewer tiles than its
-    program. Fails if the call did not take the Gluon path."""
+def test_gluon_kernels(gluon_calls, case):
+    """Multi-tile launches of the Gluon forward and backward (producer + two consumer
+    warpgroups): ring wrap-around, masked tail tiles, rows that see no key, a consumer with fewer
+    tiles than its program, odd lengths, GQA groups summed in one backward program. Fails if
+    either pass did not take the Gluon path."""
     check_case(*case)
-    assert gluon_calls, "the Gluon forward did not run"
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("seqlen", [256, 200])
-def test_gluon_forward_head_major_layout(gluon_calls, seqlen):
+def test_gluon_head_major_layout(gluon_calls, seqlen):
     """q/k/v/out as (B, H, S, D) storage seen through (B, S, H, D) views: heads are not packed
     within a row, so the descriptors are 4-d whatever the lengths."""
     torch.manual_seed(seqlen)
@@ -183,8 +187,11 @@ def test_gluon_forward_head_major_layout(gluon_calls, seqlen):
     out = nan_like(q.transpose(1, 2).contiguous()).transpose(1, 2)
     lse = torch.full((2, 8, seqlen), float("nan"), device=DEVICE)
     attention_forward(q, k, v, args, out=out, lse=lse)
-    check_against_reference(out, lse, None, q, k, v, torch.zeros_like(q), causal=True)
-    assert gluon_calls, "the Gluon forward did not run"
+    dout = torch.randn_like(q)
+    grads = tuple(nan_like(t.transpose(1, 2).contiguous()).transpose(1, 2) for t in (q, k, v))
+    attention_backward(dout, q, k, v, out, lse, args, dq=grads[0], dk=grads[1], dv=grads[2])
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=True)
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.gpu
@@ -192,8 +199,9 @@ def test_gluon_forward_head_major_layout(gluon_calls, seqlen):
 @pytest.mark.parametrize("case", [(2, 255, 113, 8, 2, 128, torch.bfloat16, "dense", 0.0),
                                   (2, 113, 255, 8, 8, 128, torch.float16, "causal", 0.0)],
                          ids=["dense", "causal"])
-def test_triton_forward_where_gluon_applies(monkeypatch, case):
-    """OMNIATTN_GLUON=0: the calls the Gluon forward takes on sm90 stay exact in fwd.py."""
+def test_triton_kernels_where_gluon_applies(monkeypatch, case):
+    """OMNIATTN_GLUON=0: the calls the Gluon kernels take on sm90 stay exact in fwd.py and
+    bwd.py."""
     monkeypatch.setenv("OMNIATTN_GLUON", "0")
     check_case(*case)
 

@@ -16,8 +16,9 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      length_kv_range, length_q_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
-from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config,
-                      padded_head_dim)
+from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_applies
+from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, gluon_enabled,
+                      hopper_backward_config, padded_head_dim)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, check_row_order, lse_strides,
@@ -778,7 +779,15 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    delta = torch.empty_like(lse)
+    plain = schedule is None and mask is None and bias is None and row_lens is None \
+        and packed is None and dropout[0] == 0 and not deterministic
+    gluon = plain and gluon_enabled() and hopper_backward_applies(q, k, v, out, dout, lse, args)
+    if gluon:
+        # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA
+        row_stats, delta = backward_row_stats(lse, args,
+                                              hopper_backward_config(q.shape[-1]).block_m)
+    else:
+        delta = torch.empty_like(lse)
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
     # rows in length order: q, dO and lse are copied into it beside delta. An index in the dK/dV
@@ -806,6 +815,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     )
     if row_order is not None:
         q, dout, lse = q_in_order, dout_in_order, lse_in_order
+    if gluon:
+        hopper_backward(dout, q, k, v, row_stats, args, dq, dk, dv)
+        return dq, dk, dv, None
     n_tiles_m = triton.cdiv(seqlen_q, block_m2)
     n_tiles_n = triton.cdiv(seqlen_k, block_n1)
     if schedule is not None:

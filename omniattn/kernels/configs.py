@@ -63,9 +63,9 @@ def tma_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and compute_capability(device)[0] >= 9
 
 
-def gluon_forward_enabled() -> bool:
-    """The Gluon forward (fwd_hopper.py) where it applies; OMNIATTN_GLUON=0 keeps every call on
-    fwd.py (the A/B switch of the GPU tests and benchmarks)."""
+def gluon_enabled() -> bool:
+    """The Gluon kernels (fwd_hopper.py, bwd_hopper.py) where they apply; OMNIATTN_GLUON=0 keeps
+    every call on fwd.py / bwd.py (the A/B switch of the GPU tests and benchmarks)."""
     return os.environ.get("OMNIATTN_GLUON", "1") != "0"
 
 
@@ -148,9 +148,11 @@ _FP32_BWD = BwdTileConfig(32, 32, 32, 32, 4, 1)
 
 @dataclass(frozen=True)
 class HopperTileConfig:
-    """Tiles of the Gluon forward (fwd_hopper.py): block_m query rows per program (half per
-    consumer warpgroup), block_n keys per K/V buffer, num_buffers in the ring; registers per
-    thread of the consumer and producer partitions."""
+    """Tiles of the Gluon kernels. Forward (fwd_hopper.py): block_m query rows per program (half
+    per consumer warpgroup), block_n keys per K/V buffer, num_buffers K/V buffers in the ring.
+    Backward (bwd_hopper.py): block_n keys per program (half per consumer warpgroup), block_m
+    query rows per q / dO buffer, num_buffers of those. Registers per thread of the consumer and
+    producer partitions."""
 
     block_m: int
     block_n: int
@@ -170,8 +172,23 @@ _FWD_HOPPER = {
 }
 
 
+# Gluon backward, keyed by head dim. H100, bf16, backward call (delta pre-pass, kernel, dQ
+# conversion), do_bench, against bwd.py in the same process (2026-11-23), ms: dense B2 H16 4k
+# 1.545-1.551 (bwd.py 1.720), causal 4k 0.853-0.863 (0.963), dense B1 H16 16k 11.3-12.2 (13.08),
+# GQA 32/8 causal 8k 3.19-3.21 (3.65). 64-row q tiles: S^T and dP^T [64 keys, 64 rows] per
+# consumer beside dK and dV (128 registers); P^T as a register operand or S^T and dP^T in flight
+# together spilled at 240 registers (dense 4k 1.87-2.03)
+_BWD_HOPPER = {
+    128: HopperTileConfig(64, 128, 2, 240, 24),
+}
+
+
 def hopper_forward_config(head_dim: int) -> HopperTileConfig | None:
     return _FWD_HOPPER.get(head_dim)
+
+
+def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
+    return _BWD_HOPPER.get(head_dim)
 
 
 def padded_head_dim(head_dim: int) -> int:

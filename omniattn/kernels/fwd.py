@@ -9,7 +9,7 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
                      load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
                      scores_log2, sequence_bounds, visible_elements)
-from .configs import (DROPOUT_MAX_STAGES, forward_config, gluon_forward_enabled, padded_head_dim,
+from .configs import (DROPOUT_MAX_STAGES, forward_config, gluon_enabled, padded_head_dim,
                       tma_enabled)
 from .elementwise import Elementwise
 from .fwd_hopper import hopper_forward, hopper_forward_applies
@@ -293,7 +293,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     elementwise = mask is not None or bias is not None
     plain = schedule is None and bits is None and not elementwise and row_lens is None \
         and packed is None and dropout[0] == 0
-    if plain and gluon_forward_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
+    if plain and gluon_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
         hopper_forward(q, k, v, args, out, lse)
         return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)

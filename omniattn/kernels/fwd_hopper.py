@@ -25,14 +25,22 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
+def _copy_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
                FLAT: gl.constexpr):
-    """TMA copy of the tile at (batch, first row, head) into dst; it arrives on `ready`."""
-    mbarrier.expect(ready, desc.block_type.nbytes)
+    """TMA copy of the tile at (batch, first row, head) into dst; it arrives on `ready`, whose
+    expected bytes the caller set."""
     if FLAT:
         tma.async_copy_global_to_shared(desc, [off_b * seqlen + row, head * HEAD_DIM], ready, dst)
     else:
         tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], ready, dst)
+
+
+@gluon.jit
+def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
+               FLAT: gl.constexpr):
+    """`_copy_tile` as the only copy arriving on `ready`."""
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    _copy_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM, FLAT)
 
 
 @gluon.jit
@@ -267,24 +275,37 @@ def _flat_rows(t: torch.Tensor) -> bool:
     return t.stride(2) == dim and t.stride(0) == seqlen * t.stride(1)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     # made once: building the layout was a quarter of the launch's host time
-    return gl.NVMMASharedLayout.get_default_for(
-        list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, flat: bool) -> TensorDescriptor:
+def _descriptor(t: torch.Tensor, block_rows: int, flat: bool,
+                block_cols: int | None = None) -> TensorDescriptor:
     """4-d over (B, S, H, D): tiles stop at each sequence's end (TMA fills 0, drops stores);
     flat: 2-d over (B * S, H * D), for launches whose tiles never cross a sequence's end (H100
-    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456)."""
+    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456).
+    block_cols: of the head dim (all of it by default)."""
+    block_cols = t.shape[-1] if block_cols is None else block_cols
     if flat:
-        block = (block_rows, t.shape[-1])
+        block = (block_rows, block_cols)
         t = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
     else:
-        block = (1, block_rows, 1, t.shape[-1])
+        block = (1, block_rows, 1, block_cols)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block),
                             _shared_layout(block, t.dtype))
+
+
+def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+                *tensors: torch.Tensor) -> bool:
+    """Whether 2-d descriptors serve: the lengths fill whole tiles and every tensor's rows are
+    packed (B, S, H, D)."""
+    return seqlen_q % block_m == 0 and seqlen_k % block_n == 0 \
+        and all(_flat_rows(t) for t in tensors)
 
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
@@ -296,11 +317,11 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     cfg = hopper_forward_config(head_dim)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
-    flat = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0 \
-        and all(_flat_rows(t) for t in (q, k, v, out))
+    flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, out)
     _fwd_hopper_kernel[grid](
         _descriptor(q, block_m, flat), _descriptor(k, cfg.block_n, flat),
-        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0), lse.stride(1),
+        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0),
+        lse.stride(1),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_right, args.qk_scale_log2,
         HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more, BLOCK_M=block_m,

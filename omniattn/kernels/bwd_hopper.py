@@ -1,0 +1,380 @@
+"""Hopper backward for the schedules fwd_hopper.py runs (dense, causal / right window, GQA), in
+Gluon. A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of every
+query head of the group that see them (dK and dV summed over the group in registers: no
+partials). A producer warp streams q and dO tiles, with their rows of lse and delta, through TMA
+into a ring of shared-memory buffers; two consumer warpgroups each own half of the keys. Per
+query tile a consumer computes S^T = K Q^T (keys as the wgmma's M), P^T, dV += P^T dO,
+dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T through shared memory; once both halves
+of dS are there it computes dQ = dS K for its half of the head dim and reduce-adds it into an
+fp32 buffer through TMA (5 matmuls per tile pair; the Triton kernel's dQ programs make it 7).
+P is rounded to bf16 / fp16 before dS = P (dP - delta), as in the dV matmul. Everything else
+runs in `bwd.py`."""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir
+
+from .configs import hopper_backward_config
+from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, flat_launch,
+                         hopper_forward_applies)
+from .schedule import KernelArgs
+from .sequences import tma_compatible
+
+# rows of lse / delta: 64 fp32 = 256 bytes, past a 128-byte swizzle's box: unswizzled
+_STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@builtin
+def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared-memory tile src into the tensor at coord (a bulk async
+    operation, waited for with tma.store_wait like a TMA store); gluon 3.6 exposes the copy but
+    not the reduction."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
+               lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
+               num_heads, delta_row0, start_n, first_m, num_m_tiles, group, seqlen_q, seqlen_k,
+               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
+    """Producer: the program's K and V tiles once (each consumer's half of the keys a copy of its
+    own: barriers K0, K1, V0, V1), then for query tiles [first_m, num_m_tiles) of each head of
+    the group q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon as
+    both consumers released the tiles that used it before."""
+    for c in gl.static_range(2):
+        key0 = start_n + c * HALF_N
+        _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
+                   HEAD_DIM, FLAT)
+        _load_tile(v_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(2 + c), v_smem.index(c),
+                   HEAD_DIM, FLAT)
+    per_head = num_m_tiles - first_m
+    for i in range(group * per_head):
+        head = off_hk * group + i // per_head
+        row = (first_m + i % per_head) * BLOCK_M
+        buf = i % NUM_BUF
+        # a fresh barrier passes a wait on parity 1: the first round needs no release
+        mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
+        # one expect per barrier and phase: it arrives, so both copies' bytes go in it
+        stats_row = off_b * num_heads + head
+        stats_bytes: gl.constexpr = stats_desc.block_type.nbytes
+        mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes + stats_bytes)
+        tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
+                                        lse_smem.index(buf))
+        _copy_tile(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem.index(buf),
+                   HEAD_DIM, FLAT)
+        mbarrier.expect(do_ready.index(buf), do_desc.block_type.nbytes + stats_bytes)
+        tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
+                                        do_ready.index(buf), delta_smem.index(buf))
+        _copy_tile(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf), do_smem.index(buf),
+                   HEAD_DIM, FLAT)
+
+
+@gluon.jit
+def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
+                MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER: gl.constexpr,
+                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                NUM_BUF: gl.constexpr, FLAT: gl.constexpr, s_layout: gl.constexpr,
+                dq_layout: gl.constexpr):
+    """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
+    consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
+    tiles drop keys past Sk and right of each row's window (diag = Sk - Sq + window_right)."""
+    buf = i % NUM_BUF
+    phase = (i // NUM_BUF) & 1
+    q = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+    do = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+    # the accumulators start at -lse / scale and -delta (rows of the producer's stats tiles,
+    # broadcast over the keys), so S^T and dP^T come out shifted
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(q_ready.index(buf), phase)
+    lse_scaled = lse_smem.index(buf).load(s_layout)  # [1, BM]
+    s_t = warpgroup_mma(k_half, q.permute((1, 0)), s_zero - lse_scaled, is_async=True)
+    s_t = warpgroup_mma_wait(0, deps=(s_t,))  # [BN/2, BM]
+    p_t = gl.exp2(s_t * qk_scale_log2)
+    if MASKED:
+        visible = keys[:, None] < seqlen_k
+        if HAS_RIGHT:
+            rows = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            visible = visible & (keys[:, None] <= rows[None, :] + diag)
+        # rows that see no key have lse = -inf: exp2 gave inf there, the select drops it
+        p_t = gl.where(visible, p_t, 0.0)
+    # P^T (bf16 from here on: dS^T uses it too) and dS^T go to shared memory as the A operands
+    # of dV and dK. dP^T after P^T: S^T and dP^T in flight together, with P^T in fp32, left the
+    # consumer short of registers (ptxas spilled and serialised the wgmmas)
+    p_t = p_t.to(q.dtype)
+    p_smem.store(p_t)
+    fence_async_shared()
+    dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+    mbarrier.wait(do_ready.index(buf), phase)
+    delta = delta_smem.index(buf).load(s_layout)  # [1, BM]
+    dp_t = warpgroup_mma(v_half, do.permute((1, 0)), s_zero - delta, is_async=True)
+    dv, dp_t = warpgroup_mma_wait(0, deps=(dv, dp_t))
+    ds_t = (p_t.to(gl.float32) * dp_t).to(q.dtype)  # [BN/2, BM]
+    # dQ needs both consumers' halves of dS: one buffer per parity of i, so a consumer one tile
+    # ahead never overwrites what the other still reads
+    ds_buf = ds_smem.index(i % 2)
+    ds_own = ds_buf.slice(CONSUMER * HALF_N, HALF_N)
+    ds_own.store(ds_t)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(i % 2))
+    dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+    mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+    dq = warpgroup_mma(ds_buf.slice(0, HALF_N).permute((1, 0)), k_dq0,
+                       gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)  # [BM, D/2]
+    dq = warpgroup_mma(ds_buf.slice(HALF_N, HALF_N).permute((1, 0)), k_dq1, dq, is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    mbarrier.arrive(qdo_free.index(buf))
+    # TMA boxes of a 128-byte swizzle span 32 fp32 columns: D/2 = 64 goes out as two boxes
+    dq_lo, dq_hi = gl.split((dq * softmax_scale).reshape([BLOCK_M, 2, HEAD_DIM // 4])
+                            .permute((0, 2, 1)))
+    tma.store_wait(0)  # the previous tile's reductions have read dq_smem
+    dq_smem.index(0).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_lo)
+    dq_smem.index(1).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_hi)
+    fence_async_shared()
+    for c in gl.static_range(2):
+        col = head * HEAD_DIM + CONSUMER * (HEAD_DIM // 2) + c * (HEAD_DIM // 4)
+        if FLAT:
+            _async_reduce_add(dq_desc, [off_b * seqlen_q + tile_m * BLOCK_M, col],
+                              dq_smem.index(c))
+        else:
+            _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
+                              dq_smem.index(c))
+    return dk, dv
+
+
+@gluon.jit
+def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                   v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
+                   ds_ready, kv_done, off_b, off_hk, start_n, first_m, first_full, num_m_tiles,
+                   group, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
+                   CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                   FLAT: gl.constexpr):
+    """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
+    tiles of every head of the group; tiles [first_m, first_full) are masked, the rest whole."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    key0 = start_n + CONSUMER * HALF_N
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    k_half = k_smem.index(CONSUMER).reshape([HALF_N, HEAD_DIM])
+    v_half = v_smem.index(CONSUMER).reshape([HALF_N, HEAD_DIM])
+    # dQ's operands: both halves of the keys, this consumer's half of the head dim
+    k_dq0 = k_smem.index(0).reshape([HALF_N, HEAD_DIM]).slice(CONSUMER * (HEAD_DIM // 2),
+                                                               HEAD_DIM // 2, dim=1)
+    k_dq1 = k_smem.index(1).reshape([HALF_N, HEAD_DIM]).slice(CONSUMER * (HEAD_DIM // 2),
+                                                               HEAD_DIM // 2, dim=1)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(kv_ready.index(1), 0)
+    mbarrier.wait(kv_ready.index(2 + CONSUMER), 0)
+    i = 0
+    for h in range(group):
+        head = off_hk * group + h
+        for tile_m in range(first_m, first_full):
+            dk, dv = _query_tile(
+                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, True,
+                HAS_RIGHT, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
+                dq_layout)
+            i += 1
+        for tile_m in range(first_full, num_m_tiles):
+            dk, dv = _query_tile(
+                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, False,
+                HAS_RIGHT, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
+                dq_layout)
+            i += 1
+    # V's half is this consumer's alone; K's is read by the other consumer's dQ until it is done
+    v_half.store(dv.to(v_half.dtype))
+    mbarrier.arrive(kv_done)
+    mbarrier.wait(kv_done, 0)
+    k_half.store((dk * softmax_scale).to(k_half.dtype))
+    fence_async_shared()
+    if FLAT:
+        tma.async_copy_shared_to_global(dv_desc, [off_b * seqlen_k + key0, off_hk * HEAD_DIM],
+                                        v_smem.index(CONSUMER))
+        tma.async_copy_shared_to_global(dk_desc, [off_b * seqlen_k + key0, off_hk * HEAD_DIM],
+                                        k_smem.index(CONSUMER))
+    else:
+        tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(CONSUMER))
+        tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(CONSUMER))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
+    num_heads_k, group, delta_row0, diag_offset, window_right, qk_scale_log2, softmax_scale,
+    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    if LONGEST_FIRST:
+        # causal: key tile 0 has the most query tiles; every head's tile 0 starts first
+        tile_n = gl.program_id(1)
+        off_bh = gl.program_id(0)
+    else:
+        tile_n = gl.program_id(0)
+        off_bh = gl.program_id(1)
+    off_b = off_bh // num_heads_k
+    off_hk = off_bh % num_heads_k
+    start_n = tile_n * BLOCK_N
+    num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    first_m = 0
+    first_full = 0
+    if HAS_RIGHT:
+        # query row r sees keys up to r + diag: the first row that sees key start_n, the first
+        # that sees the tile's last key
+        diag = diag_offset + window_right
+        first_m = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, num_m_tiles)
+        last_key_row = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)
+        first_full = gl.minimum(gl.maximum(gl.cdiv(last_key_row, BLOCK_M), first_m), num_m_tiles)
+    else:
+        diag = 0
+    if start_n + BLOCK_N > seqlen_k:
+        first_full = num_m_tiles  # keys past Sk in every tile
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    # K and V in halves of the keys, one per consumer (stored back as dK and dV)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    # lse / scale and delta of each buffered query tile
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                   q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
+    p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
+    # dQ staging per consumer: two boxes laid out like the dQ descriptor's block
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                         dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                         dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    qdo_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(4):
+        mbarrier.init(kv_ready.index(b), count=1)
+    mbarrier.init(kv_done, count=2)
+    for b in gl.static_range(NUM_BUF):
+        mbarrier.init(q_ready.index(b), count=1)
+        mbarrier.init(do_ready.index(b), count=1)
+        mbarrier.init(qdo_free.index(b), count=2)  # one release per consumer
+    for b in gl.static_range(2):
+        mbarrier.init(ds_ready.index(b), count=2)
+
+    gl.warp_specialize([
+        (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
+                          k_smem, v_smem, p_smem0, ds_smem, dq_smem0, kv_ready, q_ready,
+                          do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
+                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
+                          qk_scale_log2, softmax_scale, 0, HAS_RIGHT, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          NUM_BUF, FLAT)),
+        (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
+                          k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
+                          do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
+                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
+                          qk_scale_log2, softmax_scale, 1, HAS_RIGHT, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          NUM_BUF, FLAT)),
+        (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
+                      v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
+                      off_hk, num_heads_k * group, delta_row0, start_n, first_m, num_m_tiles,
+                      group, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N // 2, HEAD_DIM, NUM_BUF,
+                      FLAT)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                            args: KernelArgs) -> bool:
+    """Whether `hopper_backward` runs this call: where the Gluon forward would, with a head dim
+    the backward has tiles for and dO aligned for TMA too."""
+    return hopper_backward_config(q.shape[-1]) is not None \
+        and hopper_forward_applies(q, k, v, out, lse, args) and tma_compatible(dout) \
+        and dout.shape == q.shape
+
+
+def backward_row_stats(lse: torch.Tensor, args: KernelArgs, block_m: int):
+    """The per-row operands of the Gluon backward in one fp32 buffer the producer loads by TMA
+    (each row a multiple of 16 bytes): (2, B, H, Sq rounded up to block_m), [0] lse / scale
+    (+inf past Sq: p = 0 there), [1] delta (0 past Sq). Returns (buffer, the delta view
+    (B, H, Sq) for the preprocess to fill)."""
+    batch, heads, seqlen_q = lse.shape
+    padded = triton.cdiv(seqlen_q, block_m) * block_m
+    stats = torch.empty((2, batch, heads, padded), dtype=torch.float32, device=lse.device)
+    torch.mul(lse, 1.0 / args.softmax_scale, out=stats[0, :, :, :seqlen_q])
+    if padded > seqlen_q:
+        stats[0, :, :, seqlen_q:] = float("inf")
+        stats[1, :, :, seqlen_q:] = 0.0
+    return stats, stats[1, :, :, :seqlen_q]
+
+
+def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    row_stats: torch.Tensor, args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor) -> None:
+    """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout
+    (like q) and row_stats (`backward_row_stats`, its delta = rowsum(dO * O) - dlse filled in);
+    the caller checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles,
+    so it is not bitwise reproducible."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    cfg = hopper_backward_config(head_dim)
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if not tma_compatible(dk, dv):
+        dk_out, dv_out, dk, dv = dk, dv, torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk_out = dv_out = None
+    flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
+                       dv)
+    n_tiles_n = triton.cdiv(seqlen_k, cfg.block_n)
+    longest_first = args.later_rows_see_more and n_tiles_n <= 65535
+    grid = (batch * num_heads_k, n_tiles_n) if longest_first else (n_tiles_n, batch * num_heads_k)
+    half_n = cfg.block_n // 2
+    stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
+    stats_desc = TensorDescriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
+                                  [1, cfg.block_m], _STATS_LAYOUT)
+    _bwd_hopper_kernel[grid](
+        _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
+        _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
+        _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),
+        _descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
+        num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_right,
+        args.qk_scale_log2, args.softmax_scale,
+        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers, FLAT=flat,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+    dq.copy_(dq_sum)
+    if dk_out is not None:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
