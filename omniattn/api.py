@@ -355,9 +355,11 @@ def attention(
             None). Each sequence attends only to itself.
         deterministic: the backward pass without atomics: dQ gets programs of its own (which
             recompute the scores), every gradient is written once in a fixed order,
-            bitwise-identical run to run. Otherwise, where a backward tile config asks for it
-            (none of the GPU ones today: kernels/configs.py), the dK/dV programs add their dQ
-            share into an fp32 buffer with atomics (summation order varies by ~1 ulp of fp32).
+            bitwise-identical run to run. Otherwise dQ may be summed over key tiles in an fp32
+            buffer with atomics (summation order varies by ~1 ulp of fp32): the Gluon backward
+            on Hopper (head dim 128, calls without masks, biases, lengths, varlen or dropout)
+            always, the Triton backward where a tile config asks for it (none of the GPU ones
+            today: kernels/configs.py).
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
