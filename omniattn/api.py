@@ -9,6 +9,7 @@ from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
                                   states_schedule)
+from .kernels.fwd_hopper import hopper_forward_candidate
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
 from .kernels.sequences import PackedSequences, batch_shape, length_order
 from .masks.block_mask import BlockMask
@@ -216,12 +217,14 @@ def _kernel_tile(block: int, preferred: int) -> int:
 
 def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=None,
                        row_lens=None, packed: PackedSequences | None = None,
-                       backward: bool = True):
+                       backward: bool = True, dropout: bool = False):
     """Schedule of a block mask, an element mask and/or per-row key lengths, each pass at its
     own tiles, and the kernel arguments whose predicate its PARTIAL tiles apply (attention's
     ANDed with the block mask's). Element-exact tile states (the mask's pre-pass, the lengths'
     min/max per tile) are computed once, at the finest tile any pass uses, and ANDed.
-    backward=False (no gradient will flow): lists built per call are built for the forward only."""
+    backward=False (no gradient will flow): lists built per call are built for the forward only.
+    Element masks the Gluon forward takes (no block mask, lengths, packing or dropout) get
+    forward lists at its tiles."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
     _, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     outer_args = args
@@ -245,7 +248,9 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     # FULL: the dense (or causal) tiles stay the best
     sparse = attn_mask is not None or args.masked or (
         block_mask is not None and block_mask.has_partial_blocks)
-    fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise)
+    gluon = block_mask is None and row_lens is None and packed is None and not dropout \
+        and hopper_forward_candidate(q, args, full_bias)
+    fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise, gluon=gluon)
     bwd = backward_config(head_dim, q.dtype, masked=sparse, full_bias=full_bias)
     tiles = [(fwd.block_m, fwd.block_n), (bwd.block_m2, bwd.block_n2), (bwd.block_m1, bwd.block_n1)]
     if block_mask is not None:
@@ -417,7 +422,8 @@ def attention(
             needs_grad = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (q, k, v, attn_bias))
             schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
-                                                seqlens_k_per_row, packed, backward=needs_grad)
+                                                seqlens_k_per_row, packed, backward=needs_grad,
+                                                dropout=dropout_p > 0)
         # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes
         # the dropout pattern reproducible, and drawing it needs no device sync
         seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0

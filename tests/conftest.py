@@ -1,8 +1,21 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run under the interpreter; this must be set before triton.jit
 # decorates them. omniattn.attention sends CPU tensors to the kernels while it is set.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch) -> list:
+    """Records the launches of the Gluon forward ("fwd") and backward ("bwd")."""
+    from omniattn.kernels import bwd, fwd
+
+    calls = []
+    forward, backward = fwd.hopper_forward, bwd.hopper_backward
+    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
+    monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
+    return calls

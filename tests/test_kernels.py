@@ -143,16 +143,6 @@ def test_tma_dense_tiles(case):
     check_case(*case)
 
 
-@pytest.fixture
-def gluon_calls(monkeypatch) -> list:
-    """Records the launches of the Gluon forward ("fwd") and backward ("bwd")."""
-    calls = []
-    forward, backward = fwd.hopper_forward, bwd.hopper_backward
-    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
-    monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
-    return calls
-
-
 GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (1, 513, 2049, 4, 1, 128, torch.float16, "dense", 0.0),
                (2, 2048, 1024, 4, 4, 128, torch.bfloat16, "causal", 0.0),

@@ -132,6 +132,39 @@ def test_block_mask_with_mask_and_bias():
              "bh1s", causal=True, block_mask=block_mask)
 
 
+# calls the Gluon forward takes (sm90, head dim 128, no bias spanning (Sq, Sk)): (B, Sq, Sk, H,
+# Hk, dtype, mask form, mask dtype, bias form, causal, window, rows that see no key and -inf
+# bias entries)
+GLUON_CASES = [
+    (2, 1000, 1000, 8, 2, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None, False),
+    (1, 300, 410, 4, 2, torch.float16, "bhqs", torch.uint8, "bkq1", False, None, False),
+    (2, 256, 384, 4, 4, torch.bfloat16, "b11s", torch.bool, "1k1s", True, None, False),
+    (1, 255, 113, 4, 2, torch.bfloat16, "bkq1", torch.float16, "b1q1", True, None, False),
+    (2, 1, 17, 4, 1, torch.float16, "1hqs", torch.bool, "1111", False, None, False),
+    (2, 640, 640, 4, 2, torch.bfloat16, None, None, "bh1s", True, None, False),
+    (1, 513, 2049, 4, 1, torch.float16, "11qs", torch.bool, None, False, None, False),
+    (1, 700, 900, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bk1s", False, (-1, 37), False),
+    (2, 300, 303, 4, 2, torch.float16, "bhqs", torch.bool, "bh1s", True, None, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=case_id)
+def test_gluon_forward_with_mask_and_bias(gluon_calls, case):
+    """The Gluon forward with element masks (schedule lists at its tiles) and biases (listed or
+    implicit schedules) in the broadcast forms it takes, odd lengths, GQA, rows that see no key;
+    fails if the forward did not take the Gluon path (the backward is the Triton one)."""
+    (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
+     window, degenerate) = case
+    out, _ = run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 128, dtype, mask_form,
+                      mask_dtype, bias_form, causal=causal, window=window,
+                      masked_rows=degenerate, neg_inf_bias=degenerate)
+    if degenerate:
+        assert (out[:, :3] == 0).all()
+    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+
+
 # (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk
 PACKED_FORMS = [("tks", "ths"), ("1ks", "1ks"), ("t1s", "t11"), (None, "tks"), ("tks", None)]
 

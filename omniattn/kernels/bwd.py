@@ -17,7 +17,7 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
 from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_applies
-from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, gluon_enabled,
+from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config,
                       hopper_backward_config, padded_head_dim)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
@@ -781,7 +781,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dout = dout.contiguous()
     plain = schedule is None and mask is None and bias is None and row_lens is None \
         and packed is None and dropout[0] == 0 and not deterministic
-    gluon = plain and gluon_enabled() and hopper_backward_applies(q, k, v, out, dout, lse, args)
+    gluon = plain and hopper_backward_applies(q, k, v, out, dout, lse, args)
     if gluon:
         # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA
         row_stats, delta = backward_row_stats(lse, args,

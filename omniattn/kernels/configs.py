@@ -166,7 +166,11 @@ class HopperTileConfig:
 # cuDNN 0.439), B1 H16 16k 3.47-3.49 (4.015, 3.555), causal 4k 0.266 (0.330, 0.271), causal 16k
 # 1.79-1.90 (2.246, 1.969), GQA 32/8 causal 8k 0.943 (1.202, 0.990). 2 buffers: dense 4k 0.509;
 # 128-key tiles beat 64 under causal (4k 0.284, 16k 1.93-1.98); registers (240, 24) or (200, 56)
-# change nothing. D64 stays in fwd.py: 0.351-0.370 dense 4k against its 0.331
+# change nothing. D64 stays in fwd.py: 0.351-0.370 dense 4k against its 0.331. With an element
+# mask (issue #4's causal top-k keeping 1024 keys, B2 H16 4k), kernel call: key bias 0.433 ms
+# (fwd.py 0.542); 128x64 tiles with 3 / 4 / 5 buffers 0.500 / 0.509 / 0.501. A bias spanning
+# (Sq, Sk) spills at 128x128 (616 B; 0.81 ms) and ties fwd.py at 128x64 (0.614 against 0.610):
+# such calls stay in fwd.py
 _FWD_HOPPER = {
     128: HopperTileConfig(128, 128, 3, 232, 40),
 }
@@ -200,13 +204,20 @@ def _key(head_dim: int, masked: bool) -> tuple[int, bool]:
 
 
 def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
-                   elementwise: bool = False, tma: bool = False) -> TileConfig:
+                   elementwise: bool = False, tma: bool = False,
+                   gluon: bool = False) -> TileConfig:
     """masked: causal / window / explicit schedule; elementwise: an element mask or a bias;
-    tma: K/V tiles come through tensor descriptors."""
+    tma: K/V tiles come through tensor descriptors; gluon: the Gluon forward takes the call
+    (its schedule is built at the Gluon tiles)."""
     if interpreting():
         return _INTERPRETER
     if dtype == torch.float32:
         return _FP32
+    hopper = hopper_forward_config(head_dim)
+    if gluon and hopper is not None:
+        # the Triton launch of those lists where the Gluon kernel declines (TMA alignment):
+        # top-k mask + key / full bias 0.570 / 0.640 ms at (128, 128, 8, 2), 2026-11-24
+        return TileConfig(hopper.block_m, hopper.block_n, 8, 2)
     key = _key(head_dim, masked or elementwise)
     if elementwise and key[0] in _FWD_ELEMENTWISE:
         return _FWD_ELEMENTWISE[key[0]]

@@ -9,8 +9,7 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
                      load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
                      scores_log2, sequence_bounds, visible_elements)
-from .configs import (DROPOUT_MAX_STAGES, forward_config, gluon_enabled, padded_head_dim,
-                      tma_enabled)
+from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .fwd_hopper import hopper_forward, hopper_forward_applies
 from .schedule import BlockBits, KernelArgs, TileLists
@@ -277,8 +276,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
-    Calls with none of schedule, bits, mask, bias, row_lens, packed or dropout run the Gluon
-    kernel of fwd_hopper.py where it applies (sm90, head dim 128, no softcap or left window)."""
+    Calls without bits, row_lens, packed or dropout run the Gluon kernel of fwd_hopper.py where
+    it applies (sm90, head dim 128, no softcap or left window, no bias spanning (Sq, Sk), a
+    schedule at its tiles)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
@@ -291,10 +291,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if out.numel() == 0:
         return out, lse
     elementwise = mask is not None or bias is not None
-    plain = schedule is None and bits is None and not elementwise and row_lens is None \
-        and packed is None and dropout[0] == 0
-    if plain and gluon_enabled() and hopper_forward_applies(q, k, v, out, lse, args):
-        hopper_forward(q, k, v, args, out, lse)
+    gluon = bits is None and row_lens is None and packed is None and dropout[0] == 0
+    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias):
+        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias)
         return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None

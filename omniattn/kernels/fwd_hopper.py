@@ -3,8 +3,11 @@ written in Gluon: a producer warp streams K/V tiles through TMA into a ring of s
 buffers, two consumer warpgroups each own 64 query rows of the program's 128. Each consumer
 issues the next tile's QK^T before the softmax of the current one, so the softmax runs while the
 tensor cores compute P V of the tile before (FA3's intra-warpgroup overlap, with asynchronous
-wgmma and explicit waits that Triton's `tl.dot` does not expose). Everything else (masks, biases,
-block masks, row lengths, packing, dropout, softcap, left windows) runs in `fwd.py`."""
+wgmma and explicit waits that Triton's `tl.dot` does not expose). It also runs element masks,
+biases and bitmap-free block masks: the key tiles then come from the schedule's lists (PARTIAL
+tiles first, then FULL ones) and each consumer loads its mask / bias tile straight into the
+scores' layout while its wgmmas run. Row lengths, packing, dropout, softcap, left windows and
+block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
 import functools
@@ -17,11 +20,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .configs import compute_capability, hopper_forward_config, interpreting
-from .schedule import KernelArgs
+from .configs import compute_capability, gluon_enabled, hopper_forward_config, interpreting
+from .elementwise import Elementwise
+from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -44,22 +49,37 @@ def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexp
 
 
 @gluon.jit
+def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
+    """Key tile of a program's step: explicit schedules walk the PARTIAL list, then the FULL
+    one; implicit ones tiles 0, 1, ..."""
+    if EXPLICIT:
+        if step < num_part:
+            tile = gl.load(part_list + step)
+        else:
+            tile = gl.load(full_list + (step - num_part))
+    else:
+        tile = step
+    return tile
+
+
+@gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-             off_b, off_h, off_hk, start_m, num_tiles, seqlen_q, seqlen_k,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
-    """Producer: each consumer's query rows once, then K and V tile j into buffer j % NUM_BUF
-    as soon as both consumers released the tile that used it before."""
+             off_b, off_h, off_hk, start_m, num_tiles, num_part, part_list, full_list, seqlen_q,
+             seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr):
+    """Producer: each consumer's query rows once, then the K and V tiles of step j into buffer
+    j % NUM_BUF as soon as both consumers released the step that used it before."""
     for c in gl.static_range(2):
         _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
                    q_smem.index(c), HEAD_DIM, FLAT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
+        start_n = _tile_at(j, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
-        _load_tile(k_desc, off_b, j * BLOCK_N, off_hk, seqlen_k, k_ready.index(buf),
+        _load_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
                    k_smem.index(buf), HEAD_DIM, FLAT)
-        _load_tile(v_desc, off_b, j * BLOCK_N, off_hk, seqlen_k, v_ready.index(buf),
+        _load_tile(v_desc, off_b, start_n, off_hk, seqlen_k, v_ready.index(buf),
                    v_smem.index(buf), HEAD_DIM, FLAT)
 
 
@@ -74,21 +94,82 @@ def _key_end(row, seqlen_k, diag_offset, window_right, HAS_RIGHT: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset, window_right, qk_scale_log2,
-                  MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Online-softmax update for the scores s [BM, BN] of key tile j -> (p, m, l, alpha).
-    MASKED tiles drop keys past Sk and right of each row's window; elsewhere every row sees
-    every key, so the row max is finite and needs no -inf guard."""
-    if MASKED:
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        key_end = gl.full_like(rows, 0) + seqlen_k  # [BM]
-        if HAS_RIGHT:
-            key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
-        s = gl.where(keys[None, :] < key_end[:, None], s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+def _load_elementwise(rows_base, start_n, rows_left, cols_left, stride_m, stride_n,
+                      layout: gl.constexpr, ROWS_SHARED: gl.constexpr, COLS_SHARED: gl.constexpr,
+                      EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+    """A mask's / bias's [BM, BN] tile at key start_n (rows_base: its row 0, key 0) in the
+    scores' layout; a dim it broadcasts is loaded once ([1, BN], [BM, 1] or a scalar).
+    Elements past Sq / Sk read 0."""
+    base = rows_base + start_n.to(gl.int64) * stride_n
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if ROWS_SHARED and COLS_SHARED:
+        tile = gl.load(base)
+    elif ROWS_SHARED:
+        if EVEN_N:
+            tile = gl.load(base + cols * stride_n)[None, :]
+        else:
+            tile = gl.load(base + cols * stride_n, mask=cols < cols_left, other=0)[None, :]
+    elif COLS_SHARED:
+        if EVEN_M:
+            tile = gl.load(base + rows * stride_m)[:, None]
+        else:
+            tile = gl.load(base + rows * stride_m, mask=rows < rows_left, other=0)[:, None]
+    else:
+        ptrs = base + rows[:, None] * stride_m + cols[None, :] * stride_n  # [BM, BN]
+        if EVEN_M and EVEN_N:
+            tile = gl.load(ptrs)
+        else:
+            inside = (rows[:, None] < rows_left) & (cols[None, :] < cols_left)
+            tile = gl.load(ptrs, mask=inside, other=0)
+    return tile
+
+
+@gluon.jit
+def _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_right,
+                       HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """z [BM, BN] of the key tile at start_n with -inf past Sk and right of each row's window."""
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, z.type.layout))
+    key_end = gl.full_like(rows, 0) + seqlen_k  # [BM]
+    if HAS_RIGHT:
+        key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
+    return gl.where(keys[None, :] < key_end[:, None], z, float("-inf"))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, window_right,
+                  qk_scale_log2, keep, bias, KEYS: gl.constexpr, MASK: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
+    alpha). KEYS: drop keys past Sk and right of each row's window (explicit schedules: only
+    in tiles that reach past key_full, the first row's key end); MASK: drop the keys whose
+    `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with none of these is seen whole
+    by every row: its row max is finite and needs no -inf guard. Each term is its own select
+    (a predicate each): ANDing them first kept the booleans in registers."""
+    if KEYS or MASK or HAS_BIAS:
+        if HAS_BIAS:
+            # natural units, one FMA per element; log2(e) goes into the exp2's FMA
+            z = s * (qk_scale_log2 * LN2) + bias.to(gl.float32)
+            unit = LOG2E
+        else:
+            z = s  # the scale goes into the exp2's FMA (it is positive: the max commutes)
+            unit = qk_scale_log2
+        if MASK:
+            z = gl.where(keep != 0, z, float("-inf"))
+        if KEYS:
+            if EXPLICIT:
+                if start_n + BLOCK_N > key_full:
+                    z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset,
+                                           window_right, HAS_RIGHT, BLOCK_N)
+            else:
+                z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_right,
+                                       HAS_RIGHT, BLOCK_N)
+        m_new = gl.maximum(m_i, gl.max(z, 1) * unit)
         # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_shift[:, None])
+        p = gl.exp2(z * unit - m_shift[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
         m_shift = m_new
@@ -98,15 +179,43 @@ def _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset, window_right, qk_
 
 
 @gluon.jit
+def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                       rows_left, cols_left, layout: gl.constexpr, MASK: gl.constexpr,
+                       MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
+                       BIAS_COLS_SHARED: gl.constexpr, EVEN_M: gl.constexpr,
+                       EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(keep, bias) tiles of the key tile at start_n that a step reads (0 for one it does not)."""
+    keep = 0
+    bias = 0
+    if MASK:
+        keep = _load_elementwise(mask_rows, start_n, rows_left, cols_left, stride_mm, stride_mn,
+                                 layout, MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N,
+                                 BLOCK_M, BLOCK_N)
+    if HAS_BIAS:
+        bias = _load_elementwise(bias_rows, start_n, rows_left, cols_left, stride_bm, stride_bn,
+                                 layout, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+                                 BLOCK_M, BLOCK_N)
+    return keep, bias
+
+
+@gluon.jit
 def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-            window_right, qk_scale_log2, num_tiles_cta,
-            CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+            window_right, qk_scale_log2, num_tiles_cta, num_part, part_list, full_list,
+            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+            CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+            HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+            MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+            BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+            EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
             FLAT: gl.constexpr):
     """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles, each through
-    `_overlapped_tile`. A tile this consumer does not need (the other one's rows see further) is
-    still released once loaded, so the producer's ring keeps turning."""
+    `_overlapped_tile`. Explicit schedules: the program's PARTIAL tiles (predicate and mask),
+    then its FULL ones. Implicit: the tiles every row of this consumer sees whole, then the
+    ones it sees in part; a tile only the other consumer needs is still released once loaded,
+    so the producer's ring keeps turning. The first step is always treated as PARTIAL."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -114,14 +223,24 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row0 = start_m + CONSUMER * BLOCK_M
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    # tiles [0, num_full) are whole for every row of this consumer, [num_full, num_tiles) masked
-    last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
-    num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
-                        BLOCK_N)
+    rows_left = seqlen_q - row0
+    mask_rows += CONSUMER * BLOCK_M * stride_mm
+    bias_rows += CONSUMER * BLOCK_M * stride_bm
+    # keys past Sk or right of a row's window exist in the PARTIAL tiles only if:
+    KEYS: gl.constexpr = HAS_RIGHT or not EVEN_N
+    key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)  # every row's
+    if EXPLICIT:
+        num_tiles = num_tiles_cta
+        num_first = num_part  # steps [0, num_part) PARTIAL, then FULL
+    else:
+        # tiles [0, num_full) are whole for every row of this consumer, [num_full, num_tiles)
+        # are not
+        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
+        num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
+                            BLOCK_N)
+        num_first = gl.minimum(key_full // BLOCK_N, num_tiles)
     if row0 >= seqlen_q:
         num_tiles = 0
-    key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
-    num_full = gl.minimum(key_full // BLOCK_N, num_tiles)
 
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -129,24 +248,44 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     if num_tiles > 0:
+        start_n = _tile_at(0, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
+        keep, bias = _elementwise_tiles(
+            start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
+            seqlen_k - start_n, s_layout, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
+        next_n = _tile_at(gl.minimum(1, num_tiles - 1), num_part, part_list, full_list,
+                          EXPLICIT) * BLOCK_N
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, 0, seqlen_k, diag_offset,
-                                           window_right, qk_scale_log2, True, HAS_RIGHT, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
+                                           diag_offset, window_right, qk_scale_log2, keep, bias,
+                                           KEYS, HAS_MASK, HAS_BIAS, HAS_RIGHT, EXPLICIT,
+                                           BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        for j in range(1, num_full):
-            acc, p_op, m_i, l_i = _overlapped_tile(
-                j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i, s_zero,
-                rows, seqlen_k, diag_offset, window_right, qk_scale_log2, False, HAS_RIGHT,
-                BLOCK_N, HEAD_DIM, NUM_BUF, o_layout, p_layout)
-        for j in range(gl.maximum(num_full, 1), num_tiles):
-            acc, p_op, m_i, l_i = _overlapped_tile(
-                j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i, s_zero,
-                rows, seqlen_k, diag_offset, window_right, qk_scale_log2, True, HAS_RIGHT,
-                BLOCK_N, HEAD_DIM, NUM_BUF, o_layout, p_layout)
+        # explicit: PARTIAL then FULL steps; implicit: whole then partly seen tiles
+        for j in range(1, num_first):
+            acc, p_op, m_i, l_i, next_n = _overlapped_tile(
+                j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
+                qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
+                stride_mn, bias_rows, stride_bm, stride_bn, EXPLICIT, EXPLICIT,
+                EXPLICIT and KEYS, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
+        for j in range(gl.maximum(num_first, 1), num_tiles):
+            # FULL tiles of an explicit schedule may still run past Sk
+            acc, p_op, m_i, l_i, next_n = _overlapped_tile(
+                j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
+                qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
+                stride_mn, bias_rows, stride_bm, stride_bn, EXPLICIT, not EXPLICIT,
+                KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_ROWS_SHARED,
+                MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT,
+                EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
+                p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
@@ -177,13 +316,29 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 
 
 @gluon.jit
-def _overlapped_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                     s_zero, rows, seqlen_k, diag_offset, window_right, qk_scale_log2,
-                     MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, o_layout: gl.constexpr,
+def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
+                     l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
+                     qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows,
+                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                     EXPLICIT: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr,
+                     HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                     MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NUM_BUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                      p_layout: gl.constexpr):
-    """Issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the softmax of S_j runs while the second
-    is on the tensor cores; then tile j - 1's buffers go back to the producer."""
+    """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
+    softmax of S_j runs while the second matmul is on the tensor cores; then step j - 1's
+    buffers go back to the producer. MASKED: a PARTIAL step (reads the mask, applies the KEYS
+    predicate). Returns the next step's key start, read a step ahead like the mask / bias
+    tiles, whose loads are issued before the waits."""
+    next_n = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
+                      EXPLICIT) * BLOCK_N
+    keep, bias = _elementwise_tiles(
+        start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
+        seqlen_k - start_n, s_layout, MASKED and HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+        HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
     buf = j % NUM_BUF
     prev = (j - 1) % NUM_BUF
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
@@ -193,20 +348,30 @@ def _overlapped_tile(j, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op,
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, j, seqlen_k, diag_offset,
-                                       window_right, qk_scale_log2, MASKED, HAS_RIGHT, BLOCK_N)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
+                                       diag_offset, window_right, qk_scale_log2, keep, bias,
+                                       KEYS, MASKED and HAS_MASK, HAS_BIAS, HAS_RIGHT, EXPLICIT,
+                                       BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+    return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i, next_n
 
 
 @gluon.jit
 def _fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
+    KvNum, KvIdx, FullKvNum, FullKvIdx,
+    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
+    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_right, qk_scale_log2,
-    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, BLOCK_M: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
     FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -218,10 +383,28 @@ def _fwd_hopper_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
-    # the producer loads the tiles the program's last row needs (the second consumer's)
-    last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
-    num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
-                        BLOCK_N)
+    if EXPLICIT:
+        # this program's row of the lists (broadcast dims have stride 0)
+        num_part = gl.load(KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm)
+        part_list = KvIdx + off_b.to(gl.int64) * stride_kib + off_h.to(gl.int64) * stride_kih \
+            + tile_m.to(gl.int64) * stride_kim
+        full_list = FullKvIdx + off_b.to(gl.int64) * stride_fib \
+            + off_h.to(gl.int64) * stride_fih + tile_m.to(gl.int64) * stride_fim
+        num_tiles = num_part + gl.load(FullKvNum + off_b * stride_fnb + off_h * stride_fnh
+                                       + tile_m * stride_fnm)
+    else:
+        num_part = 0
+        part_list = KvIdx
+        full_list = FullKvIdx
+        # the producer loads the tiles the program's last row needs (the second consumer's)
+        last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
+        num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
+                            BLOCK_N)
+    # int64: batch / head / row offsets of a (B, H, Sq, Sk) mask pass 2**31 elements
+    mask_rows = Mask + off_b.to(gl.int64) * stride_mb \
+        + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
+    bias_rows = Bias + off_b.to(gl.int64) * stride_bb \
+        + (off_h // bias_head_div).to(gl.int64) * stride_bh + start_m.to(gl.int64) * stride_bm
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape,
@@ -242,29 +425,50 @@ def _fwd_hopper_kernel(
     gl.warp_specialize([
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_right, qk_scale_log2, num_tiles, 0, HAS_RIGHT, BLOCK_M, BLOCK_N,
+                   window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
+                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, 0,
+                   HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
                    HEAD_DIM, NUM_BUF, FLAT)),
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_right, qk_scale_log2, num_tiles, 1, HAS_RIGHT, BLOCK_M, BLOCK_N,
+                   window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
+                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, 1,
+                   HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
                    HEAD_DIM, NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                    kv_free, off_b, off_h, off_h // group, start_m, num_tiles, seqlen_q,
-                    seqlen_k, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+                    kv_free, off_b, off_h, off_h // group, start_m, num_tiles, num_part,
+                    part_list, full_list, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    NUM_BUF, FLAT, EXPLICIT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs, full_bias: bool = False) -> bool:
+    """Whether the Gluon forward can take calls on q's device, dtype and head dim with these
+    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, no left window, no
+    bias spanning (Sq, Sk) (full_bias: configs.py says why); not turned off by
+    OMNIATTN_GLUON=0."""
+    if full_bias or not gluon_enabled() or interpreting() or q.device.type != "cuda":
+        return False
+    if compute_capability(q.device)[0] != 9 or hopper_forward_config(q.shape[-1]) is None:
+        return False
+    return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0 \
+        and not args.has_left
+
+
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, args: KernelArgs) -> bool:
-    """Whether `hopper_forward` runs this call: sm90, bf16 / fp16, (B, S, H, D) tensors with a
-    head dim it has tiles for, no softcap, no left window, descriptors' alignment."""
-    if interpreting() or q.device.type != "cuda" or q.dim() != 4 or lse.dim() != 3:
+                           lse: torch.Tensor, args: KernelArgs, schedule: TileLists | None = None,
+                           bias: Elementwise | None = None) -> bool:
+    """Whether `hopper_forward` runs this call: a candidate (above) with (B, S, H, D) tensors
+    that TMA can read and an explicit schedule, if any, at its tiles."""
+    full_bias = bias is not None and bias.spans_queries_and_keys
+    if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
+            or not hopper_forward_candidate(q, args, full_bias):
         return False
-    if compute_capability(q.device)[0] != 9:
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or args.softcap > 0 or args.has_left:
-        return False
-    if hopper_forward_config(q.shape[-1]) is None or lse.stride(-1) != 1:
+    cfg = hopper_forward_config(q.shape[-1])
+    if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
+                                                                          cfg.block_n):
         return False
     return tma_compatible(q, k, v, out)
 
@@ -309,21 +513,33 @@ def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
 
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                   out: torch.Tensor, lse: torch.Tensor) -> None:
+                   out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None = None,
+                   mask: Elementwise | None = None, bias: Elementwise | None = None) -> None:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in
-    place; the caller checked `hopper_forward_applies`."""
+    place. schedule: the forward lists (None: dense / causal / window from args); the mask
+    (which needs them) is applied in their PARTIAL tiles, the bias in every tile. The caller
+    checked `hopper_forward_applies`."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    if mask is not None and schedule is None:
+        raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     cfg = hopper_forward_config(head_dim)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
-    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * num_heads)
+    n_tiles_m = triton.cdiv(seqlen_q, cfg.block_m)
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, out)
-    _fwd_hopper_kernel[grid](
+    lists = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \
+        else TileLists.placeholder_operands(q.device)
+    unused = Elementwise.placeholder_operands(q.device)
+    _fwd_hopper_kernel[(n_tiles_m, batch * num_heads)](
         _descriptor(q, block_m, flat), _descriptor(k, cfg.block_n, flat),
         _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0),
-        lse.stride(1),
+        lse.stride(1), *lists,
+        *(mask.operands() if mask is not None else unused),
+        *(bias.operands() if bias is not None else unused),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_right, args.qk_scale_log2,
-        HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more, BLOCK_M=block_m,
+        HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
+        EXPLICIT=schedule is not None, **Elementwise.kernel_flags(mask, bias),
+        EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers, FLAT=flat,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
