@@ -144,6 +144,25 @@ def test_attention_with_block_mask(case):
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("seqlens", [(1000, 1300), (1024, 768)], ids=str)
+def test_gluon_forward_with_block_mask(gluon_calls, seqlens):
+    """Block masks of whole blocks (no causal / window, no element bitmaps) run their forward
+    lists, 128x128 tiles, in the Gluon kernel: a FULL tile past Sk, query blocks that see
+    nothing, GQA. Fails if the forward did not take the Gluon path."""
+    seqlen_q, seqlen_k = seqlens
+    mask = random_block_mask(2, 8, seqlen_q, seqlen_k, 128, 0.4, seqlen_q)
+    torch.manual_seed(seqlen_k)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert (out[:, :128] == 0).all()
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
+    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+
+
 @pytest.mark.parametrize("block_size", [16, 32, (32, 16)], ids=str)
 def test_causal_block_mask_equals_causal(block_size):
     """The mask's own predicate runs in its PARTIAL blocks: no causal=True needed."""
