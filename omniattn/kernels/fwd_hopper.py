@@ -228,7 +228,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     bias_rows += CONSUMER * BLOCK_M * stride_bm
     # keys past Sk or right of a row's window exist in the PARTIAL tiles only if:
     KEYS: gl.constexpr = HAS_RIGHT or not EVEN_N
-    key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)  # every row's
+    # keys [0, key_full) are visible to every row of this consumer
+    key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
     if EXPLICIT:
         num_tiles = num_tiles_cta
         num_first = num_part  # steps [0, num_part) PARTIAL, then FULL
