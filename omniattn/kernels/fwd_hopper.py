@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .common import load_pair_tile, schedule_rows
 from .configs import compute_capability, gluon_enabled, hopper_forward_config, interpreting
 from .elementwise import Elementwise
 from .schedule import KernelArgs, TileLists
@@ -104,26 +105,8 @@ def _load_elementwise(rows_base, start_n, rows_left, cols_left, stride_m, stride
     base = rows_base + start_n.to(gl.int64) * stride_n
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if ROWS_SHARED and COLS_SHARED:
-        tile = gl.load(base)
-    elif ROWS_SHARED:
-        if EVEN_N:
-            tile = gl.load(base + cols * stride_n)[None, :]
-        else:
-            tile = gl.load(base + cols * stride_n, mask=cols < cols_left, other=0)[None, :]
-    elif COLS_SHARED:
-        if EVEN_M:
-            tile = gl.load(base + rows * stride_m)[:, None]
-        else:
-            tile = gl.load(base + rows * stride_m, mask=rows < rows_left, other=0)[:, None]
-    else:
-        ptrs = base + rows[:, None] * stride_m + cols[None, :] * stride_n  # [BM, BN]
-        if EVEN_M and EVEN_N:
-            tile = gl.load(ptrs)
-        else:
-            inside = (rows[:, None] < rows_left) & (cols[None, :] < cols_left)
-            tile = gl.load(ptrs, mask=inside, other=0)
-    return tile
+    return load_pair_tile(base, rows, cols, stride_m, stride_n, rows_left, cols_left,
+                          ROWS_SHARED, COLS_SHARED, EVEN_M, EVEN_N)
 
 
 @gluon.jit
@@ -385,14 +368,12 @@ def _fwd_hopper_kernel(
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
     if EXPLICIT:
-        # this program's row of the lists (broadcast dims have stride 0)
-        num_part = gl.load(KvNum + off_b * stride_knb + off_h * stride_knh + tile_m * stride_knm)
-        part_list = KvIdx + off_b.to(gl.int64) * stride_kib + off_h.to(gl.int64) * stride_kih \
-            + tile_m.to(gl.int64) * stride_kim
-        full_list = FullKvIdx + off_b.to(gl.int64) * stride_fib \
-            + off_h.to(gl.int64) * stride_fih + tile_m.to(gl.int64) * stride_fim
-        num_tiles = num_part + gl.load(FullKvNum + off_b * stride_fnb + off_h * stride_fnh
-                                       + tile_m * stride_fnm)
+        part_num, part_list, full_num, full_list = schedule_rows(
+            KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
+            stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+            stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
+        num_part = gl.load(part_num)
+        num_tiles = num_part + gl.load(full_num)
     else:
         num_part = 0
         part_list = KvIdx
