@@ -115,8 +115,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     p_t = p_t.to(q.dtype)
     p_smem.store(p_t)
     fence_async_shared()
-    dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+    # dO must have landed before the dV matmul reads it (issued first, it raced the copy)
     mbarrier.wait(do_ready.index(buf), phase)
+    dv = warpgroup_mma(p_smem, do, dv, is_async=True)
     delta = delta_smem.index(buf).load(s_layout)  # [1, BM]
     dp_t = warpgroup_mma(v_half, do.permute((1, 0)), s_zero - delta, is_async=True)
     dv, dp_t = warpgroup_mma_wait(0, deps=(dv, dp_t))
