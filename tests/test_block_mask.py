@@ -147,10 +147,11 @@ def test_attention_with_block_mask(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("seqlens", [(1000, 1300), (1024, 768)], ids=str)
-def test_gluon_forward_with_block_mask(gluon_calls, seqlens):
+def test_gluon_with_block_mask(gluon_calls, seqlens):
     """Block masks of whole blocks (no causal / window, no element bitmaps) run their forward
-    lists, 128x128 tiles, in the Gluon kernel: a FULL tile past Sk, query blocks that see
-    nothing, GQA. Fails if the forward did not take the Gluon path."""
+    lists, 128x128 tiles, in the Gluon kernel, and their backward the transposed lists in the
+    Gluon backward: a FULL tile past Sk, query blocks that see nothing, GQA. Fails if either
+    pass did not take the Gluon path."""
     seqlen_q, seqlen_k = seqlens
     mask = random_block_mask(2, 8, seqlen_q, seqlen_k, 128, 0.4, seqlen_q)
     torch.manual_seed(seqlen_k)
@@ -160,7 +161,7 @@ def test_gluon_forward_with_block_mask(gluon_calls, seqlens):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert (out[:, :128] == 0).all()
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
-    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.parametrize("block_size", [16, 32, (32, 16)], ids=str)
