@@ -27,8 +27,8 @@ from triton._C.libtriton import ir
 from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import hopper_backward_config
 from .elementwise import Elementwise
-from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at, flat_launch,
-                         hopper_forward_candidate)
+from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _shared_layout, _tile_at,
+                         flat_launch, hopper_forward_candidate)
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -73,13 +73,16 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
                lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                num_heads, delta_row0, start_n, first_m, num_m_tiles, group, seqlen_q, seqlen_k,
                part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-               stride_fih, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
-               EXPLICIT: gl.constexpr):
+               stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div,
+               BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
+               MASK_TMA: gl.constexpr):
     """Producer: the program's K and V tiles once (each consumer's half of the keys a copy of its
     own: barriers K0, K1, V0, V1), then for the query tiles of each head of the group
     (`_head_steps`) q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon
-    as both consumers released the tiles that used it before."""
+    as both consumers released the tiles that used it before. MASK_TMA: the masked steps' mask
+    tiles too, a [BM, BN/2] box per consumer (mask rows (batch, head, query) flattened: mask_row0
+    is the batch's first)."""
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
         _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
@@ -92,20 +95,36 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
         num_part, head_part, head_full, num_steps, first = _head_steps(
             h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
             stride_fih, first_m, num_m_tiles, EXPLICIT)
+        num_masked = num_part
+        if start_n + 2 * HALF_N > seqlen_k:
+            num_masked = num_steps  # as the consumers count them
+        mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
         for j in range(num_steps):
             row = (first + _tile_at(j, num_part, head_part, head_full, EXPLICIT)) * BLOCK_M
             buf = i % NUM_BUF
             # a fresh barrier passes a wait on parity 1: the first round needs no release
             mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
-            # one expect per barrier and phase: it arrives, so both copies' bytes go in it
+            # one expect per barrier and phase: it arrives, so all copies' bytes go in it
             stats_row = off_b * num_heads + head
-            stats_bytes: gl.constexpr = stats_desc.block_type.nbytes
-            mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes + stats_bytes)
+            q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
+            if MASK_TMA:
+                with_mask = j < num_masked
+                mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+                mbarrier.expect(q_ready.index(buf), q_bytes + mask_bytes, pred=with_mask)
+                mbarrier.expect(q_ready.index(buf), q_bytes, pred=j >= num_masked)
+                # rows past Sq read the next head's (or zeros): p = 0 there
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(
+                        mask_desc, [mask_row + row, start_n + c * HALF_N], q_ready.index(buf),
+                        mask_smem.index(buf * 2 + c), pred=with_mask)
+            else:
+                mbarrier.expect(q_ready.index(buf), q_bytes)
             tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
                                             lse_smem.index(buf))
             _copy_tile(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem.index(buf),
                        HEAD_DIM, FLAT)
-            mbarrier.expect(do_ready.index(buf), do_desc.block_type.nbytes + stats_bytes)
+            mbarrier.expect(do_ready.index(buf),
+                            do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
                                             do_ready.index(buf), delta_smem.index(buf))
             _copy_tile(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf),
@@ -114,17 +133,37 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
 
 
 @gluon.jit
+def _store_ds_tile(ds_own, dbias_rows, stride_dbm, stride_dbn, rows_left, cols_left,
+                   BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, EVEN_M: gl.constexpr,
+                   EVEN_N: gl.constexpr):
+    """This consumer's dS^T ([BN/2 keys, BM] in shared memory, rounded to the inputs' dtype)
+    into the dbias tile whose query start_m, key key0 is at dbias_rows: read back as [BM, BN/2]
+    so each thread stores 8 consecutive keys (stored from the scores' layout, [BN/2, BM], each
+    element went alone and the addresses spilled)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ds = ds_own.permute((1, 0)).load(layout)  # [BM, BN/2]
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF_N, layout=gl.SliceLayout(0, layout))
+    ptrs = dbias_rows + rows[:, None].to(gl.int64) * stride_dbm + cols[None, :] * stride_dbn
+    if EVEN_M and EVEN_N:
+        gl.store(ptrs, ds)
+    else:
+        gl.store(ptrs, ds, mask=(rows[:, None] < rows_left) & (cols[None, :] < cols_left))
+
+
+@gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
                 softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem,
                 MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-                HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
                 MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                DBIAS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
-                CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+                HALF_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
                 s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
@@ -145,7 +184,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     # mask / bias tiles [BN/2, BM] (or their broadcast forms): loads in flight during the waits
     keep_t = 0
     bias_t = 0
-    if MASKED and HAS_MASK:
+    if MASKED and HAS_MASK and not MASK_TMA:
         keep_t = load_pair_tile(mask_cols + start_m.to(gl.int64) * stride_mm, local_n, local_m,
                                 stride_mn, stride_mm, cols_left, rows_left, MASK_COLS_SHARED,
                                 MASK_ROWS_SHARED, EVEN_N, EVEN_M)
@@ -170,6 +209,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     # each term its own select (a predicate each)
     if MASKED:
         if HAS_MASK:
+            if MASK_TMA:
+                # the producer's tile, [BM, BN/2] in shared memory: read here, not held
+                keep_t = mask_smem.index(buf * 2 + CONSUMER).permute((1, 0)).load(s_layout)
             p_t = gl.where(keep_t != 0, p_t, 0.0)
         if not EVEN_N:
             p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
@@ -199,7 +241,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             # a bias with one column: this tile's row sums, added across key tiles
             gl.atomic_add(dbias_cols + (start_m + local_m).to(gl.int64) * stride_dbm,
                           gl.sum(ds_t, 0), mask=local_m < rows_left, sem="relaxed")
-        else:
+        elif not DBIAS_FROM_DS:
             store_pair_tile(dbias_cols + start_m.to(gl.int64) * stride_dbm, ds_t, local_n,
                             local_m, stride_dbn, stride_dbm, cols_left, rows_left, False)
     ds_t = ds_t.to(q.dtype)
@@ -212,6 +254,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     mbarrier.arrive(ds_ready.index(i % 2))
     dk = warpgroup_mma(ds_own, q, dk, is_async=True)
     mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+    if DBIAS and DBIAS_FROM_DS:
+        # read while the dQ wgmmas read it too
+        _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
+                       stride_dbn, rows_left, cols_left, BLOCK_M, HALF_N, EVEN_M, EVEN_N)
     dq = warpgroup_mma(ds_buf.slice(0, HALF_N).permute((1, 0)), k_dq0,
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False,
                        is_async=True)  # [BM, D/2]
@@ -244,13 +290,14 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                    stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
                    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
-                   stride_dbh, stride_dbm, stride_dbn,
+                   stride_dbh, stride_dbm, stride_dbn, mask_smem,
                    CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-                   HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                   HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
                    MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
                    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                   DBIAS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                   EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr,
                    NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
@@ -289,8 +336,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
             stride_fih, first_m, num_m_tiles, EXPLICIT)
         if EXPLICIT:
-            # FULL tiles of a key tile that runs past Sk drop those keys too
-            num_masked = num_part if EVEN_N else num_steps
+            num_masked = num_part
+            if start_n + BLOCK_N > seqlen_k:
+                num_masked = num_steps  # its FULL tiles drop the keys past Sk too
         else:
             num_masked = first_full - first_m
         mask_cols = mask_batch + (head // mask_head_div).to(gl.int64) * stride_mh
@@ -307,9 +355,10 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
                 softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, True, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DBIAS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem, True, HAS_RIGHT, EXPLICIT,
+                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                HEAD_DIM,
                 NUM_BUF, FLAT, s_layout, dq_layout)
             i += 1
         for j in range(num_masked, num_steps):
@@ -321,9 +370,10 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
                 softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, False, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DBIAS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem, False, HAS_RIGHT, EXPLICIT,
+                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                HEAD_DIM,
                 NUM_BUF, FLAT, s_layout, dq_layout)
             i += 1
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
@@ -355,14 +405,16 @@ def _bwd_hopper_kernel(
     QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
     HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EXPLICIT: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+    MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-    DBIAS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+    DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     if LONGEST_FIRST:
@@ -415,6 +467,14 @@ def _bwd_hopper_kernel(
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
                                            stats_desc.layout)
+    if MASK_TMA:
+        # each buffered query tile's mask, a [BM, BN/2] tile per consumer (2 * buf + c)
+        mask_smem = gl.allocate_shared_memory(mask_desc.dtype,
+                                              [NUM_BUF * 2] + mask_desc.block_type.shape,
+                                              mask_desc.layout)
+    else:  # not read
+        mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -450,9 +510,11 @@ def _bwd_hopper_kernel(
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
-                          stride_dbm, stride_dbn, 0, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                          MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          stride_dbm, stride_dbn, mask_smem, 0, HAS_RIGHT, EXPLICIT,
+                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                          BIAS_ROWS_SHARED,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BLOCK_N, HEAD_DIM,
                           NUM_BUF, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
@@ -462,16 +524,19 @@ def _bwd_hopper_kernel(
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
-                          stride_dbm, stride_dbn, 1, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                          MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          stride_dbm, stride_dbn, mask_smem, 1, HAS_RIGHT, EXPLICIT,
+                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                          BIAS_ROWS_SHARED,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BLOCK_N, HEAD_DIM,
                           NUM_BUF, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
                       off_hk, num_heads_k * group, delta_row0, start_n, first_m, num_m_tiles,
                       group, seqlen_q, seqlen_k, part_num, part_list, full_num, full_list,
-                      stride_qnh, stride_qih, stride_gnh, stride_gih, BLOCK_M, BLOCK_N // 2,
-                      HEAD_DIM, NUM_BUF, FLAT, EXPLICIT)),
+                      stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
+                      off_b * mask_batch_rows, mask_head_div, BLOCK_M, BLOCK_N // 2, HEAD_DIM,
+                      NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -483,8 +548,8 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     arguments; a bias spanning (Sq, Sk) too), with a head dim the backward has tiles for,
     q / k / v / dO aligned for TMA, transposed lists (if any) at its tiles, and a bias gradient
     it writes: any but that of a (Sq, Sk) bias shared by several query heads (its sum over them
-    is bwd.py's). The caller excludes what `hopper_forward_candidate` does not see (bitmaps, lengths,
-    packing, dropout, determinism)."""
+    is bwd.py's). The caller excludes what `hopper_forward_candidate` does not see (bitmaps,
+    lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
     if cfg is None or q.dim() != 4 or not hopper_forward_candidate(q, args):
         return False
@@ -508,6 +573,23 @@ def backward_row_stats(lse: torch.Tensor, block_m: int):
         stats[0, :, :, seqlen_q:] = float("inf")
         stats[1, :, :, seqlen_q:] = 0.0
     return stats, stats[0, :, :, :seqlen_q], stats[1, :, :, :seqlen_q]
+
+
+def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
+    """(descriptor, rows per mask batch) of a mask the producer loads by TMA: one byte per
+    element, spanning (Sq, Sk), contiguous, rows 16-byte aligned, seen as (B|1 * Hm * Sq, Sk);
+    None where the consumers load it themselves (its broadcast forms are a row or a column per
+    tile; a 2-byte mask's buffers would not fit in shared memory)."""
+    if mask is None or not mask.spans_queries_and_keys:
+        return None
+    t = mask.tensor
+    if t.element_size() != 1 or not t.is_contiguous() or not tma_compatible(t):
+        return None
+    rows = t.view(-1, t.shape[-1])
+    block = (block_m, half_n)
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), list(block),
+                            _shared_layout(block, torch.uint8))
+    return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
 
 
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -545,6 +627,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     lists = schedule.operands(batch, num_heads, n_tiles_n) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
+    mask_tma = _mask_by_tma(mask, cfg.block_m, half_n)
     _bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
@@ -553,10 +636,15 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_right,
         args.qk_scale_log2, args.softmax_scale, *lists,
         *(mask.operands() if mask is not None else unused),
+        *(mask_tma if mask_tma is not None else (stats_desc, 0)),
         *(bias.operands() if bias is not None else unused),
         *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
         HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, EXPLICIT=schedule is not None,
-        **Elementwise.kernel_flags(mask, bias), DBIAS=dbias is not None,
+        **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
+        DBIAS=dbias is not None,
+        # a (Sq, Sk) gradient in the inputs' dtype is the dS tile dQ reads: stored from there
+        DBIAS_FROM_DS=dbias is not None and bias.spans_queries_and_keys
+        and dbias[0].dtype == q.dtype,
         EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers,
         FLAT=flat, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
