@@ -147,10 +147,11 @@ def test_attention_with_block_mask(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("seqlens", [(1000, 1300), (1024, 768)], ids=str)
-def test_gluon_forward_with_block_mask(gluon_calls, seqlens):
+def test_gluon_with_block_mask(gluon_calls, seqlens):
     """Block masks of whole blocks (no causal / window, no element bitmaps) run their forward
     lists, 128x128 tiles, in the Gluon kernel: a FULL tile past Sk, query blocks that see
-    nothing, GQA. Fails if the forward did not take the Gluon path."""
+    nothing, GQA. Their backward stays in bwd.py (faster there: `hopper_backward_applies`).
+    Fails if either pass took the other path."""
     seqlen_q, seqlen_k = seqlens
     mask = random_block_mask(2, 8, seqlen_q, seqlen_k, 128, 0.4, seqlen_q)
     torch.manual_seed(seqlen_k)

@@ -132,9 +132,10 @@ def test_block_mask_with_mask_and_bias():
              "bh1s", causal=True, block_mask=block_mask)
 
 
-# calls the Gluon forward takes (sm90, head dim 128, no bias spanning (Sq, Sk)): (B, Sq, Sk, H,
-# Hk, dtype, mask form, mask dtype, bias form, causal, window, rows that see no key and -inf
-# bias entries)
+# calls the Gluon kernels take (sm90, head dim 128): (B, Sq, Sk, H, Hk, dtype, mask form, mask
+# dtype, bias form, causal, window, rows that see no key and -inf bias entries). The forward
+# takes no bias spanning (Sq, Sk), the backward none shared by several query heads (its dbias is
+# a sum over them)
 GLUON_CASES = [
     (2, 1000, 1000, 8, 2, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None, False),
     (1, 300, 410, 4, 2, torch.float16, "bhqs", torch.uint8, "bkq1", False, None, False),
@@ -145,16 +146,20 @@ GLUON_CASES = [
     (1, 513, 2049, 4, 1, torch.float16, "11qs", torch.bool, None, False, None, False),
     (1, 700, 900, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bk1s", False, (-1, 37), False),
     (2, 300, 303, 4, 2, torch.float16, "bhqs", torch.bool, "bh1s", True, None, True),
+    (1, 300, 410, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bhqs", True, None, True),
+    (2, 255, 256, 4, 2, torch.float16, "bkqs", torch.bool, "1hqs", False, None, False),
+    (1, 512, 512, 4, 2, torch.bfloat16, None, None, "bhqs", True, None, False),
+    (1, 384, 384, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bkqs", True, None, False),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=case_id)
-def test_gluon_forward_with_mask_and_bias(gluon_calls, case):
-    """The Gluon forward with element masks (schedule lists at its tiles) and biases (listed or
-    implicit schedules) in the broadcast forms it takes, odd lengths, GQA, rows that see no key;
-    fails if the forward did not take the Gluon path (the backward is the Triton one)."""
+def test_gluon_with_mask_and_bias(gluon_calls, case):
+    """The Gluon forward and backward with element masks (schedule lists at their tiles) and
+    biases (listed or implicit schedules) in every broadcast form, dbias included, odd lengths,
+    GQA, rows that see no key; fails if a pass that should take the Gluon path did not."""
     (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
      window, degenerate) = case
     out, _ = run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 128, dtype, mask_form,
@@ -162,7 +167,9 @@ def test_gluon_forward_with_mask_and_bias(gluon_calls, case):
                       masked_rows=degenerate, neg_inf_bias=degenerate)
     if degenerate:
         assert (out[:, :3] == 0).all()
-    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+    spans = bias_form is not None and bias_form[2:] == "qs"
+    expected = ([] if spans else ["fwd"]) + ([] if spans and bias_form[1] != "h" else ["bwd"])
+    assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
 
 
 # (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk

@@ -56,17 +56,19 @@ def _sum_kv_parts(
 
 @triton.jit
 def _bwd_preprocess(
-    Out, DOut, Delta, DLse, Q, Lse, RowOrder, QInOrder, DOutInOrder, LseInOrder,
+    Out, DOut, Delta, DLse, Q, Lse, RowOrder, QInOrder, DOutInOrder, LseInOrder, LseScaled,
     stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
     stride_db, stride_dh, stride_dlb, stride_dlh, stride_qb, stride_qm, stride_qh,
     stride_lb, stride_lh, stride_rob, stride_sqb, stride_sqm, stride_sqh,
-    stride_sdb, stride_sdm, stride_sdh, seqlen_q, num_heads,
+    stride_sdb, stride_sdm, stride_sdh, seqlen_q, num_heads, inv_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr, SCALED_LSE: tl.constexpr,
 ):
     """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head). ROW_ORDER: row r is
     the caller's row row_order[r] (rows in length order); delta is stored in that order and q,
-    dO, lse are copied into it (QInOrder, DOutInOrder, LseInOrder) for the backward kernel."""
+    dO, lse are copied into it (QInOrder, DOutInOrder, LseInOrder) for the backward kernel.
+    SCALED_LSE: lse * inv_scale also goes to LseScaled (laid out like delta) for the Gluon
+    backward, +inf where lse = -inf (a row that saw no key: p = 0)."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
@@ -86,6 +88,10 @@ def _bwd_preprocess(
         delta -= tl.load(DLse + off_b * stride_dlb + off_h * stride_dlh + callers, mask=in_rows,
                          other=0.0)
     tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m, delta, mask=in_rows)
+    if SCALED_LSE:
+        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, mask=in_rows)
+        tl.store(LseScaled + off_b * stride_db + off_h * stride_dh + offs_m,
+                 tl.where(lse == float("-inf"), float("inf"), lse * inv_scale), mask=in_rows)
     if ROW_ORDER:
         store_mask = in_rows[:, None] & (offs_d[None, :] < HEAD_DIM)
         in_order = offs_m.to(tl.int64)[:, None]
@@ -779,13 +785,15 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    plain = schedule is None and mask is None and bias is None and row_lens is None \
-        and packed is None and dropout[0] == 0 and not deterministic
-    gluon = plain and hopper_backward_applies(q, k, v, out, dout, lse, args)
+    gluon = bits is None and row_lens is None and packed is None and dropout[0] == 0 \
+        and not deterministic and hopper_backward_applies(
+            q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
+            bias_grad)
+    lse_scaled = None
     if gluon:
         # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA
-        row_stats, delta = backward_row_stats(lse, args,
-                                              hopper_backward_config(q.shape[-1]).block_m)
+        row_stats, lse_scaled, delta = backward_row_stats(
+            lse, hopper_backward_config(q.shape[-1]).block_m)
     else:
         delta = torch.empty_like(lse)
     if dlse is not None and dlse.stride(-1) != 1:
@@ -808,16 +816,27 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
     _bwd_preprocess[(triton.cdiv(pre_rows, 64), pre_batch * num_heads)](
         out, dout, delta, dlse if dlse is not None else delta, q, lse, *order_operands,
+        lse_scaled if lse_scaled is not None else delta,
         *row_strides(out), *row_strides(dout), *lse_strides(delta),
         *(lse_strides(dlse) if dlse is not None else (0, 0)), *row_strides(q), *lse_strides(lse),
-        *order_strides, pre_rows, num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
-        HAS_DLSE=dlse is not None, ROW_ORDER=row_order is not None,
+        *order_strides, pre_rows, num_heads, 1.0 / args.softmax_scale, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=dlse is not None, ROW_ORDER=row_order is not None,
+        SCALED_LSE=gluon,
     )
     if row_order is not None:
         q, dout, lse = q_in_order, dout_in_order, lse_in_order
     if gluon:
-        hopper_backward(dout, q, k, v, row_stats, args, dq, dk, dv)
-        return dq, dk, dv, None
+        if bias_grad and bias.cols_shared:
+            # summed over keys by atomics across key tiles: fp32 zeros
+            dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
+                                       device=q.device)
+        # the Gluon kernel writes dbias tiles from the key side: the ones its lists skip are 0
+        if zero_unlisted:
+            _zero_unlisted(dbias_buffer, dbias_strides, schedule.dkdv, True, seqlen_q, seqlen_k)
+        hopper_backward(dout, q, k, v, row_stats, args, dq, dk, dv,
+                        schedule.dkdv if schedule is not None else None, mask, bias,
+                        (dbias_buffer, dbias_strides) if bias_grad else None)
+        return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
     n_tiles_m = triton.cdiv(seqlen_q, block_m2)
     n_tiles_n = triton.cdiv(seqlen_k, block_n1)
     if schedule is not None:

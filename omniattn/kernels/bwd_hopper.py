@@ -1,14 +1,17 @@
-"""Hopper backward for the schedules fwd_hopper.py runs (dense, causal / right window, GQA), in
-Gluon. A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of every
-query head of the group that see them (dK and dV summed over the group in registers: no
-partials). A producer warp streams q and dO tiles, with their rows of lse and delta, through TMA
-into a ring of shared-memory buffers; two consumer warpgroups each own half of the keys. Per
-query tile a consumer computes S^T = K Q^T (keys as the wgmma's M), P^T, dV += P^T dO,
-dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T through shared memory; once both halves
-of dS are there it computes dQ = dS K for its half of the head dim and reduce-adds it into an
-fp32 buffer through TMA (5 matmuls per tile pair; the Triton kernel's dQ programs make it 7).
-P is rounded to bf16 / fp16 before dS = P (dP - delta), as in the dV matmul. Everything else
-runs in `bwd.py`."""
+"""Hopper backward in Gluon, for the calls the Gluon forward takes and more: dense, causal /
+right window, GQA, explicit schedules without bitmaps (element masks, whole-block masks) and
+biases, with the gradient of a key bias (B, Hb, 1, Sk) or of a bias with a (Sq, Sk) tile per
+query head. A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of
+every query head of the group that see them (dK and dV summed over the group in registers: no
+partials); explicit schedules list them per head, PARTIAL first. A producer warp streams q and dO
+tiles, with their rows of lse and delta, through TMA into a ring of shared-memory buffers; two
+consumer warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T
+(keys as the wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and
+dS^T through shared memory; once both halves of dS are there it computes dQ = dS K for its half
+of the head dim and reduce-adds it into an fp32 buffer through TMA (5 matmuls per tile pair; the
+Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before dS = P (dP - delta),
+as in the dV matmul. Mask and bias tiles are plain loads into the S^T layout, issued before the
+step's waits. Everything else runs in `bwd.py`."""
 from __future__ import annotations
 
 import torch
@@ -21,11 +24,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import ir
 
+from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import hopper_backward_config
-from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, flat_launch,
-                         hopper_forward_applies)
-from .schedule import KernelArgs
+from .elementwise import Elementwise
+from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _shared_layout, _tile_at,
+                         flat_launch, hopper_forward_candidate)
+from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
+
+LOG2E = gl.constexpr(1.4426950408889634)
 
 # rows of lse / delta: 64 fp32 = 256 bytes, past a 128-byte swizzle's box: unswizzled
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -42,73 +49,177 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
+                stride_fih, first_m, num_m_tiles, EXPLICIT: gl.constexpr):
+    """Query tiles of the group's head h: (num_part, part_list, full_list, num_steps, first);
+    step j visits tile first + `_tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
+    FULL one (pointers given at the group's first head, per-head strides 0 where the schedule
+    broadcasts heads); implicit: tiles [first_m, num_m_tiles)."""
+    if EXPLICIT:
+        num_part = gl.load(part_num + h * stride_pnh)
+        num_steps = num_part + gl.load(full_num + h * stride_fnh)
+        part_list += h * stride_pih
+        full_list += h * stride_fih
+        first = 0
+    else:
+        num_part = 0
+        num_steps = num_m_tiles - first_m
+        first = first_m
+    return num_part, part_list, full_list, num_steps, first
+
+
+@gluon.jit
 def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                num_heads, delta_row0, start_n, first_m, num_m_tiles, group, seqlen_q, seqlen_k,
+               part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
+               stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div,
                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
+               NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
+               MASK_TMA: gl.constexpr):
     """Producer: the program's K and V tiles once (each consumer's half of the keys a copy of its
-    own: barriers K0, K1, V0, V1), then for query tiles [first_m, num_m_tiles) of each head of
-    the group q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon as
-    both consumers released the tiles that used it before."""
+    own: barriers K0, K1, V0, V1), then for the query tiles of each head of the group
+    (`_head_steps`) q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon
+    as both consumers released the tiles that used it before. MASK_TMA: the masked steps' mask
+    tiles too, a [BM, BN/2] box per consumer (mask rows (batch, head, query) flattened: mask_row0
+    is the batch's first)."""
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
         _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
                    HEAD_DIM, FLAT)
         _load_tile(v_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(2 + c), v_smem.index(c),
                    HEAD_DIM, FLAT)
-    per_head = num_m_tiles - first_m
-    for i in range(group * per_head):
-        head = off_hk * group + i // per_head
-        row = (first_m + i % per_head) * BLOCK_M
-        buf = i % NUM_BUF
-        # a fresh barrier passes a wait on parity 1: the first round needs no release
-        mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
-        # one expect per barrier and phase: it arrives, so both copies' bytes go in it
-        stats_row = off_b * num_heads + head
-        stats_bytes: gl.constexpr = stats_desc.block_type.nbytes
-        mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes + stats_bytes)
-        tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
-                                        lse_smem.index(buf))
-        _copy_tile(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem.index(buf),
-                   HEAD_DIM, FLAT)
-        mbarrier.expect(do_ready.index(buf), do_desc.block_type.nbytes + stats_bytes)
-        tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
-                                        do_ready.index(buf), delta_smem.index(buf))
-        _copy_tile(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf), do_smem.index(buf),
-                   HEAD_DIM, FLAT)
+    i = 0
+    for h in range(group):
+        head = off_hk * group + h
+        num_part, head_part, head_full, num_steps, first = _head_steps(
+            h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
+            stride_fih, first_m, num_m_tiles, EXPLICIT)
+        num_masked = num_part
+        if start_n + 2 * HALF_N > seqlen_k:
+            num_masked = num_steps  # as the consumers count them
+        mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
+        for j in range(num_steps):
+            row = (first + _tile_at(j, num_part, head_part, head_full, EXPLICIT)) * BLOCK_M
+            buf = i % NUM_BUF
+            # a fresh barrier passes a wait on parity 1: the first round needs no release
+            mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
+            # one expect per barrier and phase: it arrives, so all copies' bytes go in it
+            stats_row = off_b * num_heads + head
+            q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
+            if MASK_TMA:
+                with_mask = j < num_masked
+                mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+                mbarrier.expect(q_ready.index(buf), q_bytes + mask_bytes, pred=with_mask)
+                mbarrier.expect(q_ready.index(buf), q_bytes, pred=j >= num_masked)
+                # rows past Sq read the next head's (or zeros): p = 0 there
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(
+                        mask_desc, [mask_row + row, start_n + c * HALF_N], q_ready.index(buf),
+                        mask_smem.index(buf * 2 + c), pred=with_mask)
+            else:
+                mbarrier.expect(q_ready.index(buf), q_bytes)
+            tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
+                                            lse_smem.index(buf))
+            _copy_tile(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem.index(buf),
+                       HEAD_DIM, FLAT)
+            mbarrier.expect(do_ready.index(buf),
+                            do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
+                                            do_ready.index(buf), delta_smem.index(buf))
+            _copy_tile(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf),
+                       do_smem.index(buf), HEAD_DIM, FLAT)
+            i += 1
+
+
+@gluon.jit
+def _store_ds_tile(ds_own, dbias_rows, stride_dbm, stride_dbn, rows_left, cols_left,
+                   BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, EVEN_M: gl.constexpr,
+                   EVEN_N: gl.constexpr):
+    """This consumer's dS^T ([BN/2 keys, BM] in shared memory, rounded to the inputs' dtype)
+    into the dbias tile whose query start_m, key key0 is at dbias_rows: read back as [BM, BN/2]
+    so each thread stores 8 consecutive keys (stored from the scores' layout, [BN/2, BM], each
+    element went alone and the addresses spilled)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ds = ds_own.permute((1, 0)).load(layout)  # [BM, BN/2]
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HALF_N, layout=gl.SliceLayout(0, layout))
+    ptrs = dbias_rows + rows[:, None].to(gl.int64) * stride_dbm + cols[None, :] * stride_dbn
+    if EVEN_M and EVEN_N:
+        gl.store(ptrs, ds)
+    else:
+        gl.store(ptrs, ds, mask=(rows[:, None] < rows_left) & (cols[None, :] < cols_left))
 
 
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
-                MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMER: gl.constexpr,
-                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                NUM_BUF: gl.constexpr, FLAT: gl.constexpr, s_layout: gl.constexpr,
-                dq_layout: gl.constexpr):
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
+                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem,
+                MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+                DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+                HALF_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+                s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
-    tiles drop keys past Sk and right of each row's window (diag = Sk - Sq + window_right)."""
+    tiles drop keys past Sk, right of each row's window (diag = Sk - Sq + window_right) and
+    where the mask (HAS_MASK) is 0; the bias (HAS_BIAS) is added in every tile. mask_cols /
+    bias_cols / dbias_cols point at this consumer's first key (key0), query 0, of the head.
+    DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
+    added into the fp32 dbias by atomics (one column or a scalar: summed over keys) or is
+    stored as the tile."""
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
+    start_m = tile_m * BLOCK_M
+    rows_left = seqlen_q - start_m
+    cols_left = seqlen_k - key0
+    local_n = gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    local_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    # mask / bias tiles [BN/2, BM] (or their broadcast forms): loads in flight during the waits
+    keep_t = 0
+    bias_t = 0
+    if MASKED and HAS_MASK and not MASK_TMA:
+        keep_t = load_pair_tile(mask_cols + start_m.to(gl.int64) * stride_mm, local_n, local_m,
+                                stride_mn, stride_mm, cols_left, rows_left, MASK_COLS_SHARED,
+                                MASK_ROWS_SHARED, EVEN_N, EVEN_M)
+    if HAS_BIAS:
+        bias_t = load_pair_tile(bias_cols + start_m.to(gl.int64) * stride_bm, local_n, local_m,
+                                stride_bn, stride_bm, cols_left, rows_left, BIAS_COLS_SHARED,
+                                BIAS_ROWS_SHARED, EVEN_N, EVEN_M)
     q = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
     do = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
     # the accumulators start at -lse / scale and -delta (rows of the producer's stats tiles,
-    # broadcast over the keys), so S^T and dP^T come out shifted
+    # broadcast over the keys), so S^T and dP^T come out shifted; a row that saw no key has
+    # lse / scale = +inf there: its probabilities are 0
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
     mbarrier.wait(q_ready.index(buf), phase)
     lse_scaled = lse_smem.index(buf).load(s_layout)  # [1, BM]
     s_t = warpgroup_mma(k_half, q.permute((1, 0)), s_zero - lse_scaled, is_async=True)
     s_t = warpgroup_mma_wait(0, deps=(s_t,))  # [BN/2, BM]
-    p_t = gl.exp2(s_t * qk_scale_log2)
+    if HAS_BIAS:
+        p_t = gl.exp2(s_t * qk_scale_log2 + bias_t.to(gl.float32) * LOG2E)
+    else:
+        p_t = gl.exp2(s_t * qk_scale_log2)
+    # each term its own select (a predicate each)
     if MASKED:
-        visible = keys[:, None] < seqlen_k
+        if HAS_MASK:
+            if MASK_TMA:
+                # the producer's tile, [BM, BN/2] in shared memory: read here, not held
+                keep_t = mask_smem.index(buf * 2 + CONSUMER).permute((1, 0)).load(s_layout)
+            p_t = gl.where(keep_t != 0, p_t, 0.0)
+        if not EVEN_N:
+            p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
         if HAS_RIGHT:
-            rows = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            visible = visible & (keys[:, None] <= rows[None, :] + diag)
-        # rows that see no key have lse = -inf: exp2 gave inf there, the select drops it
-        p_t = gl.where(visible, p_t, 0.0)
+            # explicit lists: PARTIAL tiles inside the window skip it
+            if (not EXPLICIT) or (start_m + diag < key0 + HALF_N - 1):
+                rows = start_m + local_m
+                p_t = gl.where(keys[:, None] <= rows[None, :] + diag, p_t, 0.0)
     # P^T (bf16 from here on: dS^T uses it too) and dS^T go to shared memory as the A operands
     # of dV and dK. dP^T after P^T: S^T and dP^T in flight together, with P^T in fp32, left the
     # consumer short of registers (ptxas spilled and serialised the wgmmas)
@@ -121,7 +232,20 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     delta = delta_smem.index(buf).load(s_layout)  # [1, BM]
     dp_t = warpgroup_mma(v_half, do.permute((1, 0)), s_zero - delta, is_async=True)
     dv, dp_t = warpgroup_mma_wait(0, deps=(dv, dp_t))
-    ds_t = (p_t.to(gl.float32) * dp_t).to(q.dtype)  # [BN/2, BM]
+    ds_t = p_t.to(gl.float32) * dp_t  # [BN/2, BM], d loss / d (score + bias)
+    if DBIAS:
+        if BIAS_ROWS_SHARED and BIAS_COLS_SHARED:
+            gl.atomic_add(dbias_cols, gl.sum(gl.sum(ds_t, 1), 0), sem="relaxed")
+        elif BIAS_ROWS_SHARED:
+            dbias_keys += gl.sum(ds_t, 1)
+        elif BIAS_COLS_SHARED:
+            # a bias with one column: this tile's row sums, added across key tiles
+            gl.atomic_add(dbias_cols + (start_m + local_m).to(gl.int64) * stride_dbm,
+                          gl.sum(ds_t, 0), mask=local_m < rows_left, sem="relaxed")
+        elif not DBIAS_FROM_DS:
+            store_pair_tile(dbias_cols + start_m.to(gl.int64) * stride_dbm, ds_t, local_n,
+                            local_m, stride_dbn, stride_dbm, cols_left, rows_left, False)
+    ds_t = ds_t.to(q.dtype)
     # dQ needs both consumers' halves of dS: one buffer per parity of i, so a consumer one tile
     # ahead never overwrites what the other still reads
     ds_buf = ds_smem.index(i % 2)
@@ -131,6 +255,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     mbarrier.arrive(ds_ready.index(i % 2))
     dk = warpgroup_mma(ds_own, q, dk, is_async=True)
     mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+    if DBIAS and DBIAS_FROM_DS:
+        # read while the dQ wgmmas read it too
+        _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
+                       stride_dbn, rows_left, cols_left, BLOCK_M, HALF_N, EVEN_M, EVEN_N)
     dq = warpgroup_mma(ds_buf.slice(0, HALF_N).permute((1, 0)), k_dq0,
                        gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False,
                        is_async=True)  # [BM, D/2]
@@ -152,7 +280,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
         else:
             _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
                               dq_smem.index(c))
-    return dk, dv
+    return dk, dv, dbias_keys
 
 
 @gluon.jit
@@ -160,11 +288,23 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
                    ds_ready, kv_done, off_b, off_hk, start_n, first_m, first_full, num_m_tiles,
                    group, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
-                   CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-                   FLAT: gl.constexpr):
+                   part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
+                   stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
+                   bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
+                   stride_dbh, stride_dbm, stride_dbn, mask_smem,
+                   CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                   HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                   MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+                   DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                   EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr,
+                   NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
-    tiles of every head of the group; tiles [first_m, first_full) are masked, the rest whole."""
+    tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
+    first_full) are masked, the rest whole; explicit: the PARTIAL ones, or all of them when
+    the key tile runs past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of
+    the batch."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -174,6 +314,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                                                         instr_shape=[16, HEAD_DIM // 2, 16])
     key0 = start_n + CONSUMER * HALF_N
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    mask_batch += (CONSUMER * HALF_N) * stride_mn
+    bias_batch += (CONSUMER * HALF_N) * stride_bn
+    dbias_batch += (CONSUMER * HALF_N) * stride_dbn
     k_half = k_smem.index(CONSUMER).reshape([HALF_N, HEAD_DIM])
     v_half = v_smem.index(CONSUMER).reshape([HALF_N, HEAD_DIM])
     # dQ's operands: both halves of the keys, this consumer's half of the head dim
@@ -183,28 +326,62 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                                                                HEAD_DIM // 2, dim=1)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    dbias_keys = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(kv_ready.index(0), 0)
     mbarrier.wait(kv_ready.index(1), 0)
     mbarrier.wait(kv_ready.index(2 + CONSUMER), 0)
     i = 0
     for h in range(group):
         head = off_hk * group + h
-        for tile_m in range(first_m, first_full):
-            dk, dv = _query_tile(
+        num_part, head_part, head_full, num_steps, first = _head_steps(
+            h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
+            stride_fih, first_m, num_m_tiles, EXPLICIT)
+        if EXPLICIT:
+            num_masked = num_part
+            if start_n + BLOCK_N > seqlen_k:
+                num_masked = num_steps  # its FULL tiles drop the keys past Sk too
+        else:
+            num_masked = first_full - first_m
+        mask_cols = mask_batch + (head // mask_head_div).to(gl.int64) * stride_mh
+        bias_cols = bias_batch + (head // bias_head_div).to(gl.int64) * stride_bh
+        dbias_cols = dbias_batch + head.to(gl.int64) * stride_dbh
+        # explicit: the next tile index is read a step ahead, so no load waits on it
+        next_m = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
+        for j in range(num_masked):
+            tile_m = next_m
+            next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
+                                      head_full, EXPLICIT)
+            dk, dv, dbias_keys = _query_tile(
                 i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, True,
-                HAS_RIGHT, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
-                dq_layout)
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
+                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem, True, HAS_RIGHT, EXPLICIT,
+                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                HEAD_DIM,
+                NUM_BUF, FLAT, s_layout, dq_layout)
             i += 1
-        for tile_m in range(first_full, num_m_tiles):
-            dk, dv = _query_tile(
+        for j in range(num_masked, num_steps):
+            tile_m = next_m
+            next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
+                                      head_full, EXPLICIT)
+            dk, dv, dbias_keys = _query_tile(
                 i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, False,
-                HAS_RIGHT, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
-                dq_layout)
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
+                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
+                dbias_cols, stride_dbm, stride_dbn, mask_smem, False, HAS_RIGHT, EXPLICIT,
+                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                HEAD_DIM,
+                NUM_BUF, FLAT, s_layout, dq_layout)
             i += 1
+        if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
+            # a key bias: the sum over this head's queries, in the head's own slot
+            gl.store(dbias_cols + (keys - key0) * stride_dbn,
+                     dbias_keys.to(dbias_cols.dtype.element_ty), mask=keys < seqlen_k)
+            dbias_keys = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
     # V's half is this consumer's alone; K's is read by the other consumer's dQ until it is done
     v_half.store(dv.to(v_half.dtype))
     mbarrier.arrive(kv_done)
@@ -226,8 +403,19 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
 def _bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
     num_heads_k, group, delta_row0, diag_offset, window_right, qk_scale_log2, softmax_scale,
-    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+    QNum, QIdx, FullQNum, FullQIdx,
+    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
+    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
+    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EXPLICIT: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+    MASK_COLS_SHARED: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+    DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     if LONGEST_FIRST:
@@ -244,16 +432,27 @@ def _bwd_hopper_kernel(
     first_m = 0
     first_full = 0
     if HAS_RIGHT:
-        # query row r sees keys up to r + diag: the first row that sees key start_n, the first
-        # that sees the tile's last key
         diag = diag_offset + window_right
-        first_m = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, num_m_tiles)
-        last_key_row = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)
-        first_full = gl.minimum(gl.maximum(gl.cdiv(last_key_row, BLOCK_M), first_m), num_m_tiles)
+        if not EXPLICIT:
+            # query row r sees keys up to r + diag: the first row that sees key start_n, the
+            # first that sees the tile's last key
+            first_m = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, num_m_tiles)
+            last_key_row = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)
+            first_full = gl.minimum(gl.maximum(gl.cdiv(last_key_row, BLOCK_M), first_m),
+                                    num_m_tiles)
     else:
         diag = 0
     if start_n + BLOCK_N > seqlen_k:
         first_full = num_m_tiles  # keys past Sk in every tile
+    # the transposed lists of the group's first head (per-head strides in the partitions)
+    part_num, part_list, full_num, full_list = schedule_rows(
+        QNum, QIdx, FullQNum, FullQIdx, off_b, off_hk * group, tile_n,
+        stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+        stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin)
+    # int64: batch / key offsets of a (B, H, Sq, Sk) mask or bias pass 2**31 elements
+    mask_batch = Mask + off_b.to(gl.int64) * stride_mb + start_n.to(gl.int64) * stride_mn
+    bias_batch = Bias + off_b.to(gl.int64) * stride_bb + start_n.to(gl.int64) * stride_bn
+    dbias_batch = DBias + off_b.to(gl.int64) * stride_dbb + start_n.to(gl.int64) * stride_dbn
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -269,6 +468,14 @@ def _bwd_hopper_kernel(
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
                                            stats_desc.layout)
+    if MASK_TMA:
+        # each buffered query tile's mask, a [BM, BN/2] tile per consumer (2 * buf + c)
+        mask_smem = gl.allocate_shared_memory(mask_desc.dtype,
+                                              [NUM_BUF * 2] + mask_desc.block_type.shape,
+                                              mask_desc.layout)
+    else:  # not read
+        mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -300,56 +507,114 @@ def _bwd_hopper_kernel(
                           k_smem, v_smem, p_smem0, ds_smem, dq_smem0, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
                           first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, 0, HAS_RIGHT, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          qk_scale_log2, softmax_scale, part_num, part_list, full_num, full_list,
+                          stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
+                          mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
+                          bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
+                          stride_dbm, stride_dbn, mask_smem, 0, HAS_RIGHT, EXPLICIT,
+                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                          BIAS_ROWS_SHARED,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BLOCK_N, HEAD_DIM,
                           NUM_BUF, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
                           first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, 1, HAS_RIGHT, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          qk_scale_log2, softmax_scale, part_num, part_list, full_num, full_list,
+                          stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
+                          mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
+                          bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
+                          stride_dbm, stride_dbn, mask_smem, 1, HAS_RIGHT, EXPLICIT,
+                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                          BIAS_ROWS_SHARED,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BLOCK_N, HEAD_DIM,
                           NUM_BUF, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
                       off_hk, num_heads_k * group, delta_row0, start_n, first_m, num_m_tiles,
-                      group, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N // 2, HEAD_DIM, NUM_BUF,
-                      FLAT)),
+                      group, seqlen_q, seqlen_k, part_num, part_list, full_num, full_list,
+                      stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
+                      off_b * mask_batch_rows, mask_head_div, BLOCK_M, BLOCK_N // 2, HEAD_DIM,
+                      NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                            args: KernelArgs) -> bool:
-    """Whether `hopper_backward` runs this call: where the Gluon forward would, with a head dim
-    the backward has tiles for and dO aligned for TMA too."""
-    return hopper_backward_config(q.shape[-1]) is not None \
-        and hopper_forward_applies(q, k, v, out, lse, args) and tma_compatible(dout) \
-        and dout.shape == q.shape
+                            dout: torch.Tensor, args: KernelArgs,
+                            schedule: TileLists | None = None, mask: Elementwise | None = None,
+                            bias: Elementwise | None = None, bias_grad: bool = False) -> bool:
+    """Whether `hopper_backward` runs this call: where the Gluon forward could (device, dtype,
+    arguments; a bias spanning (Sq, Sk) too), with a head dim the backward has tiles for,
+    q / k / v / dO aligned for TMA, transposed lists (if any) at its tiles and from an element
+    mask, and a bias gradient it writes: any but that of a (Sq, Sk) bias shared by several query
+    heads (its sum over them is bwd.py's). The caller excludes what `hopper_forward_candidate`
+    does not see (bitmaps, lengths, packing, dropout, determinism)."""
+    cfg = hopper_backward_config(q.shape[-1])
+    if cfg is None or q.dim() != 4 or not hopper_forward_candidate(q, args):
+        return False
+    # lists of whole-block masks stay in bwd.py. H100, 16k B1 H16, backward GPU ms at density
+    # 1 / .5 / .26 / .11: Gluon 13.15 / 6.81 / 3.68 / 1.78, Triton 12.55 / 6.93 / 3.57 / 1.55;
+    # with issue #4's top-k element mask (4k B2 H16 causal, key bias) Gluon 1.02, Triton 1.33
+    if schedule is not None and mask is None:
+        return False
+    if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
+                                                                          cfg.block_n):
+        return False
+    if bias_grad and bias.spans_queries_and_keys and bias.tensor.shape[1] != q.shape[2]:
+        return False
+    return dout.shape == q.shape and tma_compatible(q, k, v, dout)
 
 
-def backward_row_stats(lse: torch.Tensor, args: KernelArgs, block_m: int):
+def backward_row_stats(lse: torch.Tensor, block_m: int):
     """The per-row operands of the Gluon backward in one fp32 buffer the producer loads by TMA
     (each row a multiple of 16 bytes): (2, B, H, Sq rounded up to block_m), [0] lse / scale
-    (+inf past Sq: p = 0 there), [1] delta (0 past Sq). Returns (buffer, the delta view
-    (B, H, Sq) for the preprocess to fill)."""
+    (+inf past Sq and where lse = -inf: p = 0 there), [1] delta (0 past Sq). Returns (buffer,
+    the views (B, H, Sq) of both for the preprocess to fill)."""
     batch, heads, seqlen_q = lse.shape
     padded = triton.cdiv(seqlen_q, block_m) * block_m
     stats = torch.empty((2, batch, heads, padded), dtype=torch.float32, device=lse.device)
-    torch.mul(lse, 1.0 / args.softmax_scale, out=stats[0, :, :, :seqlen_q])
     if padded > seqlen_q:
         stats[0, :, :, seqlen_q:] = float("inf")
         stats[1, :, :, seqlen_q:] = 0.0
-    return stats, stats[1, :, :, :seqlen_q]
+    return stats, stats[0, :, :, :seqlen_q], stats[1, :, :, :seqlen_q]
+
+
+def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
+    """(descriptor, rows per mask batch) of a mask the producer loads by TMA: one byte per
+    element, spanning (Sq, Sk), contiguous, rows 16-byte aligned, seen as (B|1 * Hm * Sq, Sk);
+    None where the consumers load it themselves (its broadcast forms are a row or a column per
+    tile; a 2-byte mask's buffers would not fit in shared memory)."""
+    if mask is None or not mask.spans_queries_and_keys:
+        return None
+    t = mask.tensor
+    if t.element_size() != 1 or not t.is_contiguous() or not tma_compatible(t):
+        return None
+    rows = t.view(-1, t.shape[-1])
+    block = (block_m, half_n)
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), list(block),
+                            _shared_layout(block, torch.uint8))
+    return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
 
 
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     row_stats: torch.Tensor, args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor) -> None:
+                    dv: torch.Tensor, schedule: TileLists | None = None,
+                    mask: Elementwise | None = None, bias: Elementwise | None = None,
+                    dbias: tuple | None = None) -> None:
     """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout
-    (like q) and row_stats (`backward_row_stats`, its delta = rowsum(dO * O) - dlse filled in);
-    the caller checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles,
+    (like q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse).
+    schedule: the transposed (dK/dV) lists, PARTIAL tiles apply the mask; the bias is added in
+    every tile. dbias: (buffer, its 4 strides), a slot per query head: a key bias's sums over
+    queries, a (Sq, Sk) bias's tiles (those no list visits are the caller's to zero), or, for
+    a bias with one column, sums over keys added into it (fp32, zeroed by the caller).
+    The caller checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles,
     so it is not bitwise reproducible."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    if mask is not None and schedule is None:
+        raise ValueError("hopper_backward: an element mask comes with its schedule's lists")
     cfg = hopper_backward_config(head_dim)
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if not tma_compatible(dk, dv):
@@ -359,22 +624,40 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
                        dv)
     n_tiles_n = triton.cdiv(seqlen_k, cfg.block_n)
-    longest_first = args.later_rows_see_more and n_tiles_n <= 65535
+    longest_first = schedule is None and args.later_rows_see_more and n_tiles_n <= 65535
     grid = (batch * num_heads_k, n_tiles_n) if longest_first else (n_tiles_n, batch * num_heads_k)
     half_n = cfg.block_n // 2
     stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
     stats_desc = TensorDescriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
                                   [1, cfg.block_m], _STATS_LAYOUT)
+    lists = schedule.operands(batch, num_heads, n_tiles_n) if schedule is not None \
+        else TileLists.placeholder_operands(q.device)
+    unused = Elementwise.placeholder_operands(q.device)
+    # the row sums of a one-column dbias need scratch that the mask buffers leave no room for
+    # (232,560 of 232,448 bytes on the H100)
+    one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
+    mask_tma = None if one_column_dbias else _mask_by_tma(mask, cfg.block_m, half_n)
     _bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
         _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),
         _descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
         num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_right,
-        args.qk_scale_log2, args.softmax_scale,
-        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers, FLAT=flat,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+        args.qk_scale_log2, args.softmax_scale, *lists,
+        *(mask.operands() if mask is not None else unused),
+        *(mask_tma if mask_tma is not None else (stats_desc, 0)),
+        *(bias.operands() if bias is not None else unused),
+        *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
+        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, EXPLICIT=schedule is not None,
+        **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
+        DBIAS=dbias is not None,
+        # a (Sq, Sk) gradient in the inputs' dtype is the dS tile dQ reads: stored from there
+        DBIAS_FROM_DS=dbias is not None and bias.spans_queries_and_keys
+        and dbias[0].dtype == q.dtype,
+        EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers,
+        FLAT=flat, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4)
     dq.copy_(dq_sum)
     if dk_out is not None:
         dk_out.copy_(dk)

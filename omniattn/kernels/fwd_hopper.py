@@ -461,7 +461,8 @@ def _flat_rows(t: torch.Tensor) -> bool:
     return t.stride(2) == dim and t.stride(0) == seqlen * t.stride(1)
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+              torch.uint8: gl.uint8}
 
 
 @functools.lru_cache(maxsize=None)
