@@ -150,6 +150,10 @@ GLUON_CASES = [
     (2, 255, 256, 4, 2, torch.float16, "bkqs", torch.bool, "1hqs", False, None, False),
     (1, 512, 512, 4, 2, torch.bfloat16, None, None, "bhqs", True, None, False),
     (1, 384, 384, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bkqs", True, None, False),
+    # masks the backward loads by TMA (1 byte, rows of 16-byte multiples): with a key bias
+    # (issue #4's form) and with a scalar bias
+    (2, 256, 512, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None, False),
+    (1, 200, 256, 4, 2, torch.float16, "bhqs", torch.uint8, "1111", True, None, False),
 ]
 
 
