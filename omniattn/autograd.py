@@ -130,16 +130,16 @@ attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' forward and backward without the dispatcher, for eager calls: a custom op
     costs host time in every layer it crosses (H100 host, causal 4k fwd+bwd: 1.49 -> 0.95 ms
-    per call without it; the kernels run 1.26 ms), so short calls became host-bound."""
+    per call without it; the kernels run 1.26 ms), so short calls became host-bound. The context
+    comes into forward (no setup_context): with one, every apply binds the arguments through
+    inspect.signature."""
 
     @staticmethod
-    def forward(*inputs):
-        return _forward_impl(*inputs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # an unused lse costs no zero gradient
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -164,8 +164,9 @@ def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None
     inputs = (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q, max_k,
               args.softmax_scale, args.softcap, args.window_left, args.window_right, *dropout,
               tensors, tiles, deterministic)
-    # traced graphs, fake and subclassed tensors need the ops (their fake implementations and
-    # dispatch); plain eager calls skip the dispatcher
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+    # traced graphs, fake and subclassed tensors and functorch transforms need the ops (their
+    # fake implementations and dispatch); plain eager calls skip the dispatcher
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor \
+            or torch._C._are_functorch_transforms_active():
         return attention_fwd_op(*inputs)
     return _EagerAttention.apply(*inputs)

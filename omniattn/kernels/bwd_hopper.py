@@ -21,14 +21,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import ir
 
 from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import hopper_backward_config
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _shared_layout, _tile_at,
-                         flat_launch, hopper_forward_candidate)
+                         flat_launch, hopper_forward_candidate, tensor_descriptor)
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -593,8 +592,8 @@ def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
         return None
     rows = t.view(-1, t.shape[-1])
     block = (block_m, half_n)
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), list(block),
-                            _shared_layout(block, torch.uint8))
+    desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
+                             _shared_layout(block, torch.uint8))
     return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
 
 
@@ -628,8 +627,8 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     grid = (batch * num_heads_k, n_tiles_n) if longest_first else (n_tiles_n, batch * num_heads_k)
     half_n = cfg.block_n // 2
     stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
-    stats_desc = TensorDescriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
-                                  [1, cfg.block_m], _STATS_LAYOUT)
+    stats_desc = tensor_descriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
+                                   (1, cfg.block_m), _STATS_LAYOUT)
     lists = schedule.operands(batch, num_heads, n_tiles_n) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)

@@ -2,7 +2,6 @@
 and the pre-pass that turns the mask into tile states for the schedule."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -185,23 +184,19 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
 
 
 @triton.jit
-def _mask_lists_kernel(
-    Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n,
-    Num, Idx, FullNum, FullIdx, stride_nb, stride_nh, stride_ib, stride_ih, stride_ir,
-    n_cols, heads_out, head_div, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, diag_offset,
-    window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTOR_M: tl.constexpr, FACTOR_N: tl.constexpr,
-    TRANSPOSED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    VARLEN: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed) or,
-    TRANSPOSED, a key tile (query tiles listed). A tile's state is the AND (min) of the causal /
-    window state and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer
-    tiles. Tiles outside the causal / window range are not looked at. Listed in increasing order.
+def _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, lists, offset, n_rows, n_cols,
+              row, bh, batch_heads, CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k,
+              diag_offset, window_left, window_right,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTOR_M: tl.constexpr,
+              FACTOR_N: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed)
+    or, TRANSPOSED, a key tile (query tiles listed), into the pass's part of `lists` at
+    `offset`: counts (2, B, Hout, n_rows) of PARTIAL then FULL tiles, indices
+    (2, B, Hout, n_rows, n_cols). A tile's state is the AND (min) of the causal / window state
+    and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer tiles. Tiles
+    outside the causal / window range are not looked at. Listed in increasing order.
     VARLEN: (Sq, Sk) are those of the row's sequence."""
-    row = tl.program_id(0)
-    off_b = tl.program_id(1) // heads_out
-    off_h = tl.program_id(1) % heads_out
     _, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k,
                                                VARLEN)
     if VARLEN:
@@ -214,9 +209,11 @@ def _mask_lists_kernel(
         lo, full_lo, full_hi, hi = implicit_kv_range(row * BLOCK_M, seqlen_q, seqlen_k,
                                                      diag_offset, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    fine = Fine + off_b * stride_fb + (off_h // head_div) * stride_fh
-    idx = Idx + off_b * stride_ib + off_h * stride_ih + row * stride_ir
-    full_idx = FullIdx + off_b * stride_ib + off_h * stride_ih + row * stride_ir
+    slot = bh * n_rows + row  # of this row in (B, Hout, n_rows)
+    num = lists + offset + slot
+    full_num = num + batch_heads * n_rows
+    idx = lists + offset + 2 * batch_heads * n_rows + slot.to(tl.int64) * n_cols
+    full_idx = idx + batch_heads.to(tl.int64) * n_rows * n_cols
     n_partial = 0
     n_full = 0
     if VARLEN:
@@ -253,43 +250,101 @@ def _mask_lists_kernel(
         tl.store(full_idx + n_full + tl.cumsum(is_full.to(tl.int32), 0) - 1, cols, mask=is_full)
         n_partial += tl.sum(is_partial.to(tl.int32), 0)
         n_full += tl.sum(is_full.to(tl.int32), 0)
-    tl.store(Num + off_b * stride_nb + off_h * stride_nh + row, n_partial)
-    tl.store(FullNum + off_b * stride_nb + off_h * stride_nh + row, n_full)
+    tl.store(num, n_partial)
+    tl.store(full_num, n_full)
 
 
-def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], tile: tuple[int, int],
-                transposed: bool, seqlen_q: int, seqlen_k: int, num_heads: int,
-                args: KernelArgs, packed: PackedSequences | None = None) -> TileLists:
-    """Lists at `tile` from the pre-pass states `fine` (B|1, Hm, n|1, n|1) at `fine_tile`.
-    Mask heads Hm in {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads.
-    Packed sequences: (Sq, Sk) are the longest, each batch's lists stop at its own lengths."""
-    block_m, block_n = tile
+@triton.jit
+def _mask_lists_kernel(
+    Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, heads_out,
+    head_div, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    offset_0, n_rows_0, n_cols_0, offset_1, n_rows_1, n_cols_1, offset_2, n_rows_2, n_cols_2,
+    BLOCK_M_0: tl.constexpr, BLOCK_N_0: tl.constexpr, TRANSPOSED_0: tl.constexpr,
+    BLOCK_C_0: tl.constexpr, BLOCK_M_1: tl.constexpr, BLOCK_N_1: tl.constexpr,
+    TRANSPOSED_1: tl.constexpr, BLOCK_C_1: tl.constexpr, BLOCK_M_2: tl.constexpr,
+    BLOCK_N_2: tl.constexpr, TRANSPOSED_2: tl.constexpr, BLOCK_C_2: tl.constexpr,
+    FINE_M: tl.constexpr, FINE_N: tl.constexpr, NUM_PASSES: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """The lists of up to three passes (each its own tile and orientation) in one launch:
+    program rows [0, n_rows_0) build pass 0's, the next n_rows_1 pass 1's, then pass 2's."""
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch_heads = tl.num_programs(1)
+    off_b = bh // heads_out
+    fine = Fine + off_b * stride_fb + (bh % heads_out // head_div) * stride_fh
+    if row < n_rows_0:
+        _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, offset_0, n_rows_0,
+                  n_cols_0, row, bh, batch_heads, CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
+                  seqlen_k, diag_offset, window_left, window_right, BLOCK_M_0, BLOCK_N_0,
+                  BLOCK_M_0 // FINE_M, BLOCK_N_0 // FINE_N, TRANSPOSED_0, HAS_LEFT, HAS_RIGHT,
+                  VARLEN, BLOCK_C_0)
+    elif NUM_PASSES > 1:
+        row -= n_rows_0
+        if row < n_rows_1:
+            _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, offset_1, n_rows_1,
+                      n_cols_1, row, bh, batch_heads, CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
+                      seqlen_k, diag_offset, window_left, window_right, BLOCK_M_1, BLOCK_N_1,
+                      BLOCK_M_1 // FINE_M, BLOCK_N_1 // FINE_N, TRANSPOSED_1, HAS_LEFT,
+                      HAS_RIGHT, VARLEN, BLOCK_C_1)
+        elif NUM_PASSES > 2:
+            _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, offset_2, n_rows_2,
+                      n_cols_2, row - n_rows_1, bh, batch_heads, CuSeqlensQ, CuSeqlensK, off_b,
+                      seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M_2,
+                      BLOCK_N_2, BLOCK_M_2 // FINE_M, BLOCK_N_2 // FINE_N, TRANSPOSED_2,
+                      HAS_LEFT, HAS_RIGHT, VARLEN, BLOCK_C_2)
+
+
+def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int],
+                passes: list[tuple[tuple[int, int], bool]], seqlen_q: int, seqlen_k: int,
+                num_heads: int, args: KernelArgs,
+                packed: PackedSequences | None = None) -> list[TileLists]:
+    """Lists of each pass (tile, transposed), one to three, from the pre-pass states `fine`
+    (B|1, Hm, n|1, n|1) at `fine_tile`, in one launch and one allocation (a launch and four
+    allocations per pass cost 50-60 us of host time each on an H100 host). Mask heads Hm in
+    {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads. Packed sequences:
+    (Sq, Sk) are the longest, each batch's lists stop at its own lengths."""
     batch, mask_heads, n_fine_m, n_fine_n = fine.shape
     stride_fb = fine.stride(0)
     if packed is not None and batch != packed.batch:  # one state map for every sequence
         batch, stride_fb = packed.batch, 0
     heads_out = 1 if mask_heads == 1 else num_heads
-    n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
-    n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
-    num = torch.empty((batch, heads_out, n_rows), dtype=torch.int32, device=fine.device)
-    full_num = torch.empty_like(num)
-    idx = torch.empty((batch, heads_out, n_rows, n_cols), dtype=torch.int32, device=fine.device)
-    full_idx = torch.empty_like(idx)
+    shapes, offsets, total = [], [], 0
+    for (block_m, block_n), transposed in passes:
+        n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+        n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
+        shapes.append((n_rows, n_cols))
+        offsets.append(total)
+        total += 2 * batch * heads_out * n_rows * (1 + n_cols)
+    lists = torch.empty(total, dtype=torch.int32, device=fine.device)
+    operands, flags = [], {}
+    for i in range(3):  # the kernel's unused pass slots repeat the last pass (never run)
+        ((block_m, block_n), transposed), (n_rows, n_cols), offset = (
+            passes[i], shapes[i], offsets[i]) if i < len(passes) else (passes[-1], (0, 1), 0)
+        operands += [offset, n_rows, n_cols]
+        flags.update({f"BLOCK_M_{i}": block_m, f"BLOCK_N_{i}": block_n,
+                      f"TRANSPOSED_{i}": transposed,
+                      f"BLOCK_C_{i}": min(128, triton.next_power_of_2(n_cols))})
     # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
     stride_fm = 0 if n_fine_m == 1 else fine.stride(2)
     stride_fn = 0 if n_fine_n == 1 else fine.stride(3)
-    _mask_lists_kernel[(n_rows, batch * heads_out)](
+    _mask_lists_kernel[(sum(rows for rows, _ in shapes), batch * heads_out)](
         fine, stride_fb, fine.stride(1), stride_fm, stride_fn,
         n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
-        num, idx, full_num, full_idx, *num.stride()[:2], *idx.stride()[:3],
-        n_cols, heads_out, heads_out // mask_heads, *packed_operands(packed, fine.device),
+        lists, heads_out, heads_out // mask_heads, *packed_operands(packed, fine.device),
         seqlen_q, seqlen_k, seqlen_k - seqlen_q, args.window_left, args.window_right,
-        BLOCK_M=block_m, BLOCK_N=block_n, FACTOR_M=block_m // fine_tile[0],
-        FACTOR_N=block_n // fine_tile[1], TRANSPOSED=transposed, HAS_LEFT=args.has_left,
-        HAS_RIGHT=args.has_right, VARLEN=packed is not None,
-        BLOCK_C=min(128, triton.next_power_of_2(n_cols)),
+        *operands, **flags,
+        FINE_M=fine_tile[0], FINE_N=fine_tile[1], NUM_PASSES=len(passes),
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, VARLEN=packed is not None,
     )
-    return TileLists(block_m, block_n, num, idx, full_num, full_idx)
+    result = []
+    for ((block_m, block_n), _), (n_rows, n_cols), offset in zip(passes, shapes, offsets):
+        counts = batch * heads_out * n_rows
+        num = lists[offset:offset + 2 * counts].view(2, batch, heads_out, n_rows)
+        idx = lists[offset + 2 * counts:offset + 2 * counts * (1 + n_cols)].view(
+            2, batch, heads_out, n_rows, n_cols)
+        result.append(TileLists(block_m, block_n, num[0], idx[0], num[1], idx[1]))
+    return result
 
 
 def fine_tile_of(*tiles: tuple[int, int]) -> tuple[int, int]:
@@ -302,15 +357,15 @@ def states_schedule(fine: torch.Tensor, fine_tile: tuple[int, int], seqlen_q: in
                     dq_tile: tuple[int, int], dkdv_tile: tuple[int, int],
                     packed: PackedSequences | None = None, backward: bool = True) -> Schedule:
     """Each pass's lists from element-exact tile states `fine` (B|1, Hs, n|1, n|1) at
-    `fine_tile`, ANDed with causal / window: one list-builder launch per distinct tile.
+    `fine_tile`, ANDed with causal / window: one list-builder launch for every distinct tile.
     backward=False: the forward's lists only (Schedule.forward_only)."""
-    build = functools.partial(_mask_lists, fine, fine_tile, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                              num_heads=num_heads, args=args, packed=packed)
-    forward = build(forward_tile, False)
+    passes = [(forward_tile, False)]
+    if backward:
+        passes += ([] if dq_tile == forward_tile else [(dq_tile, False)]) + [(dkdv_tile, True)]
+    built = _mask_lists(fine, fine_tile, passes, seqlen_q, seqlen_k, num_heads, args, packed)
     if not backward:
-        return Schedule.forward_only(forward)
-    dq = forward if dq_tile == forward_tile else build(dq_tile, False)
-    return Schedule(forward, dq, build(dkdv_tile, True))
+        return Schedule.forward_only(built[0])
+    return Schedule(built[0], built[-2], built[-1])
 
 
 def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int,
