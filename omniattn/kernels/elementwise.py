@@ -357,8 +357,9 @@ def states_schedule(fine: torch.Tensor, fine_tile: tuple[int, int], seqlen_q: in
                     dq_tile: tuple[int, int], dkdv_tile: tuple[int, int],
                     packed: PackedSequences | None = None, backward: bool = True) -> Schedule:
     """Each pass's lists from element-exact tile states `fine` (B|1, Hs, n|1, n|1) at
-    `fine_tile`, ANDed with causal / window: one list-builder launch for every distinct tile.
-    backward=False: the forward's lists only (Schedule.forward_only)."""
+    `fine_tile`, ANDed with causal / window: one list-builder launch for every pass (dQ shares
+    the forward's lists when their tiles match). backward=False: the forward's lists only
+    (Schedule.forward_only)."""
     passes = [(forward_tile, False)]
     if backward:
         passes += ([] if dq_tile == forward_tile else [(dq_tile, False)]) + [(dkdv_tile, True)]
