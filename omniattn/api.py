@@ -243,7 +243,7 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
         if not block_mask.predicate.unbounded and cut_by_outer and packed is None:
             block_mask = block_mask.coarsened(*block_mask.block_size)
     elementwise = attn_mask is not None or attn_bias is not None
-    full_bias = attn_bias is not None and Elementwise.of(attn_bias, num_heads).spans_queries_and_keys
+    full_bias = attn_bias is not None and Elementwise.spans_both(attn_bias)
     # per-row lengths alone, or a block mask without PARTIAL blocks, leave most visited tiles
     # FULL: the dense (or causal) tiles stay the best
     sparse = attn_mask is not None or args.masked or (

@@ -17,12 +17,12 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
 from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_applies
-from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config,
-                      hopper_backward_config, padded_head_dim)
+from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
+                      hopper_backward_config, next_power_of_2, padded_head_dim)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
-from .sequences import (PackedSequences, batch_shape, check_row_order, lse_strides,
-                        packed_operands, placeholder, row_lens_operands, row_strides)
+from .sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
+                        lse_strides, packed_operands, placeholder, row_lens_operands, row_strides)
 
 
 @triton.jit
@@ -57,18 +57,21 @@ def _sum_kv_parts(
 @triton.jit
 def _bwd_preprocess(
     Out, DOut, Delta, DLse, Q, Lse, RowOrder, QInOrder, DOutInOrder, LseInOrder, LseScaled,
-    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+    DqSum, stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
     stride_db, stride_dh, stride_dlb, stride_dlh, stride_qb, stride_qm, stride_qh,
     stride_lb, stride_lh, stride_rob, stride_sqb, stride_sqm, stride_sqh,
-    stride_sdb, stride_sdm, stride_sdh, seqlen_q, num_heads, inv_scale,
+    stride_sdb, stride_sdm, stride_sdh, stride_zb, stride_zm, stride_zh, seqlen_q, stats_rows,
+    num_heads, inv_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr, SCALED_LSE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr, FOR_GLUON: tl.constexpr,
 ):
-    """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head). ROW_ORDER: row r is
-    the caller's row row_order[r] (rows in length order); delta is stored in that order and q,
-    dO, lse are copied into it (QInOrder, DOutInOrder, LseInOrder) for the backward kernel.
-    SCALED_LSE: lse * inv_scale also goes to LseScaled (laid out like delta) for the Gluon
-    backward, +inf where lse = -inf (a row that saw no key: p = 0)."""
+    """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head), stored for rows
+    below stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in
+    length order); delta is stored in that order and q, dO, lse are copied into it (QInOrder,
+    DOutInOrder, LseInOrder) for the backward kernel. FOR_GLUON: the Gluon backward's other
+    operands too, saving it three torch ops: lse * inv_scale in LseScaled (laid out like delta;
+    +inf where lse = -inf, a row that saw no key, and past seqlen_q: p = 0 there) and DqSum
+    (fp32, like q) zeroed."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
@@ -87,11 +90,17 @@ def _bwd_preprocess(
     if HAS_DLSE:  # d lse / d s = p: the lse's gradient enters as -dlse
         delta -= tl.load(DLse + off_b * stride_dlb + off_h * stride_dlh + callers, mask=in_rows,
                          other=0.0)
-    tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m, delta, mask=in_rows)
-    if SCALED_LSE:
-        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, mask=in_rows)
+    in_stats = offs_m < stats_rows
+    tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m, delta, mask=in_stats)
+    if FOR_GLUON:
+        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, mask=in_rows,
+                      other=float("-inf"))
         tl.store(LseScaled + off_b * stride_db + off_h * stride_dh + offs_m,
-                 tl.where(lse == float("-inf"), float("inf"), lse * inv_scale), mask=in_rows)
+                 tl.where(lse == float("-inf"), float("inf"), lse * inv_scale), mask=in_stats)
+        tl.store(DqSum + off_b * stride_zb + off_h * stride_zh
+                 + offs_m.to(tl.int64)[:, None] * stride_zm + offs_d[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
     if ROW_ORDER:
         store_mask = in_rows[:, None] & (offs_d[None, :] < HEAD_DIM)
         in_order = offs_m.to(tl.int64)[:, None]
@@ -676,13 +685,13 @@ def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: 
     dbias) never visit: half of it under causal (H100, 4k top-k full-bias fwd+bwd: zeroing all
     of it 0.38 ms, this 0.16; 3.44 -> 3.26 ms)."""
     batch, heads = buffer.shape[:2]
-    n_rows, n_cols = triton.cdiv(seqlen_q, lists.block_m), triton.cdiv(seqlen_k, lists.block_n)
+    n_rows, n_cols = cdiv(seqlen_q, lists.block_m), cdiv(seqlen_k, lists.block_n)
     if transposed:
         n_rows, n_cols = n_cols, n_rows
     _zero_unlisted_kernel[(n_rows * n_cols, batch * heads)](
         buffer, *strides, seqlen_q, seqlen_k, heads, n_cols,
-        *lists.operands(batch, heads, n_rows),
-        BLOCK_M=lists.block_m, BLOCK_N=lists.block_n, COLS=triton.next_power_of_2(n_cols),
+        *lists.operands(),
+        BLOCK_M=lists.block_m, BLOCK_N=lists.block_n, COLS=next_power_of_2(n_cols),
         TRANSPOSED=transposed,
     )
 
@@ -718,8 +727,7 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     alloc = torch.zeros if (spans or bias.packed) and not zero_unlisted else torch.empty
     buffer = alloc((buffer_batch, slots, rows, cols), dtype=dtype, device=bias.tensor.device)
     # size-1 dims at stride 0: packed rows are addressed from each sequence's first row
-    strides = tuple(0 if size == 1 else stride for size, stride in zip(buffer.shape,
-                                                                       buffer.stride()))
+    strides = broadcast_strides(buffer)
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         summed = buf
@@ -789,13 +797,19 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         and not deterministic and hopper_backward_applies(
             q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
             bias_grad)
-    lse_scaled = None
+    # delta is per row: packed rows are one long sequence here
+    pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
     if gluon:
-        # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA
+        # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA, and dQ's
+        # fp32 sums: the preprocess fills the one and zeroes the other
         row_stats, lse_scaled, delta = backward_row_stats(
-            lse, hopper_backward_config(q.shape[-1]).block_m)
+            lse, hopper_backward_config(head_dim).block_m)
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        stats_rows = delta.shape[-1]
     else:
+        lse_scaled = dq_sum = None
         delta = torch.empty_like(lse)
+        stats_rows = pre_rows
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
     # rows in length order: q, dO and lse are copied into it beside delta. An index in the dK/dV
@@ -812,16 +826,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         order_operands = (placeholder(q.device), unused_rows, unused_rows,
                           placeholder(q.device, torch.float32))
         order_strides = (0,) * 7
-    # delta is per row: packed rows are one long sequence here
-    pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
-    _bwd_preprocess[(triton.cdiv(pre_rows, 64), pre_batch * num_heads)](
+    _bwd_preprocess[(cdiv(stats_rows, 64), pre_batch * num_heads)](
         out, dout, delta, dlse if dlse is not None else delta, q, lse, *order_operands,
-        lse_scaled if lse_scaled is not None else delta,
+        lse_scaled if gluon else delta, dq_sum if gluon else delta,
         *row_strides(out), *row_strides(dout), *lse_strides(delta),
         *(lse_strides(dlse) if dlse is not None else (0, 0)), *row_strides(q), *lse_strides(lse),
-        *order_strides, pre_rows, num_heads, 1.0 / args.softmax_scale, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_M=64, HAS_DLSE=dlse is not None, ROW_ORDER=row_order is not None,
-        SCALED_LSE=gluon,
+        *order_strides, *(row_strides(dq_sum) if gluon else (0, 0, 0)), pre_rows, stats_rows,
+        num_heads, 1.0 / args.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
+        HAS_DLSE=dlse is not None, ROW_ORDER=row_order is not None, FOR_GLUON=gluon,
     )
     if row_order is not None:
         q, dout, lse = q_in_order, dout_in_order, lse_in_order
@@ -833,15 +845,15 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         # the Gluon kernel writes dbias tiles from the key side: the ones its lists skip are 0
         if zero_unlisted:
             _zero_unlisted(dbias_buffer, dbias_strides, schedule.dkdv, True, seqlen_q, seqlen_k)
-        hopper_backward(dout, q, k, v, row_stats, args, dq, dk, dv,
+        hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                         schedule.dkdv if schedule is not None else None, mask, bias,
                         (dbias_buffer, dbias_strides) if bias_grad else None)
         return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
-    n_tiles_m = triton.cdiv(seqlen_q, block_m2)
-    n_tiles_n = triton.cdiv(seqlen_k, block_n1)
+    n_tiles_m = cdiv(seqlen_q, block_m2)
+    n_tiles_n = cdiv(seqlen_k, block_n1)
     if schedule is not None:
-        fwd_sched = schedule.dq.operands(batch, num_heads, n_tiles_m)
-        t_sched = schedule.dkdv.operands(batch, num_heads, n_tiles_n)
+        fwd_sched = schedule.dq.operands()
+        t_sched = schedule.dkdv.operands()
     else:
         fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
@@ -890,7 +902,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         *(bias.operands() if bias is not None else unused),
         *dbias_operands,
         *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
-        *(bits.operands(batch, num_heads) if bits is not None
+        *(bits.operands() if bits is not None
           else BlockBits.placeholder_operands(q.device)),
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
@@ -913,7 +925,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dq.copy_(dq_sum)
     if kv_split > 1:
         sum_batch, sum_rows = (1, k.shape[0]) if packed is not None else (batch, seqlen_k)
-        _sum_kv_parts[(triton.cdiv(sum_rows, 64), sum_batch * num_heads_k)](
+        _sum_kv_parts[(cdiv(sum_rows, 64), sum_batch * num_heads_k)](
             dk, dv, dk_out, dv_out, *row_strides(dk), *row_strides(dk_out), *row_strides(dv_out),
             sum_rows, num_heads_k, kv_split, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64,
         )

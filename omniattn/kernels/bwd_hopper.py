@@ -15,7 +15,6 @@ step's waits. Everything else runs in `bwd.py`."""
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
@@ -24,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .common import load_pair_tile, schedule_rows, store_pair_tile
-from .configs import hopper_backward_config
+from .configs import cdiv, hopper_backward_config
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _shared_layout, _tile_at,
                          flat_launch, hopper_forward_candidate, tensor_descriptor)
@@ -570,14 +569,11 @@ def backward_row_stats(lse: torch.Tensor, block_m: int):
     """The per-row operands of the Gluon backward in one fp32 buffer the producer loads by TMA
     (each row a multiple of 16 bytes): (2, B, H, Sq rounded up to block_m), [0] lse / scale
     (+inf past Sq and where lse = -inf: p = 0 there), [1] delta (0 past Sq). Returns (buffer,
-    the views (B, H, Sq) of both for the preprocess to fill)."""
+    its halves (B, H, Sq rounded up) for the preprocess to fill, padding included)."""
     batch, heads, seqlen_q = lse.shape
-    padded = triton.cdiv(seqlen_q, block_m) * block_m
+    padded = cdiv(seqlen_q, block_m) * block_m
     stats = torch.empty((2, batch, heads, padded), dtype=torch.float32, device=lse.device)
-    if padded > seqlen_q:
-        stats[0, :, :, seqlen_q:] = float("inf")
-        stats[1, :, :, seqlen_q:] = 0.0
-    return stats, stats[0, :, :, :seqlen_q], stats[1, :, :, :seqlen_q]
+    return (stats, *stats.unbind(0))
 
 
 def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
@@ -598,12 +594,14 @@ def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
 
 
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    row_stats: torch.Tensor, args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, schedule: TileLists | None = None,
+                    row_stats: torch.Tensor, dq_sum: torch.Tensor, args: KernelArgs,
+                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                    schedule: TileLists | None = None,
                     mask: Elementwise | None = None, bias: Elementwise | None = None,
                     dbias: tuple | None = None) -> None:
     """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout
-    (like q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse).
+    (like q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse);
+    dQ is summed in dq_sum (fp32 like q, zeroed) and copied to dq.
     schedule: the transposed (dK/dV) lists, PARTIAL tiles apply the mask; the bias is added in
     every tile. dbias: (buffer, its 4 strides), a slot per query head: a key bias's sums over
     queries, a (Sq, Sk) bias's tiles (those no list visits are the caller's to zero), or, for
@@ -615,21 +613,20 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mask is not None and schedule is None:
         raise ValueError("hopper_backward: an element mask comes with its schedule's lists")
     cfg = hopper_backward_config(head_dim)
-    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if not tma_compatible(dk, dv):
         dk_out, dv_out, dk, dv = dk, dv, torch.empty_like(k), torch.empty_like(v)
     else:
         dk_out = dv_out = None
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
                        dv)
-    n_tiles_n = triton.cdiv(seqlen_k, cfg.block_n)
+    n_tiles_n = cdiv(seqlen_k, cfg.block_n)
     longest_first = schedule is None and args.later_rows_see_more and n_tiles_n <= 65535
     grid = (batch * num_heads_k, n_tiles_n) if longest_first else (n_tiles_n, batch * num_heads_k)
     half_n = cfg.block_n // 2
     stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
     stats_desc = tensor_descriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
                                    (1, cfg.block_m), _STATS_LAYOUT)
-    lists = schedule.operands(batch, num_heads, n_tiles_n) if schedule is not None \
+    lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     # the row sums of a one-column dbias need scratch that the mask buffers leave no room for

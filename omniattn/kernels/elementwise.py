@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from .common import implicit_kv_range, implicit_q_range, sequence_bounds
+from .configs import cdiv, next_power_of_2
 from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
-from .sequences import PackedSequences, packed_operands, placeholder
+from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)
 
@@ -36,8 +37,7 @@ class Elementwise:
             t = t.permute(1, 0, 2).unsqueeze(0)
         if t.dtype == torch.bool:
             t = t.view(torch.uint8)  # same bytes; the kernels test != 0
-        strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-        return Elementwise(t, strides, num_heads // t.shape[1], packed)
+        return Elementwise(t, broadcast_strides(t), num_heads // t.shape[1], packed)
 
     def unpacked(self, grad: torch.Tensor) -> torch.Tensor:
         """A (1, Hm, rows, cols) gradient in the caller's layout: packed ones back to
@@ -55,6 +55,12 @@ class Elementwise:
     @property
     def spans_queries_and_keys(self) -> bool:
         return not (self.rows_shared or self.cols_shared)
+
+    @staticmethod
+    def spans_both(t: torch.Tensor) -> bool:
+        """`spans_queries_and_keys` of a caller's mask or bias, without building it."""
+        rows = t.shape[0] if t.dim() == 3 else t.shape[2]
+        return rows != 1 and t.shape[-1] != 1
 
     def operands(self) -> tuple:
         return (self.tensor, *self.strides, self.head_div)
@@ -166,10 +172,10 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
     if packed is not None:
         batch = packed.batch
         rows = 1 if mask.rows_shared else seqlen_q
-    n_m, n_n = triton.cdiv(rows, block_m), triton.cdiv(cols, block_n)
+    n_m, n_n = cdiv(rows, block_m), cdiv(cols, block_n)
     states = torch.empty((batch, heads, n_m, n_n), dtype=torch.int8, device=t.device)
     tiles_per_program = MASK_TILES_PER_PROGRAM
-    _mask_states_kernel[(triton.cdiv(n_n, tiles_per_program), n_m, batch * heads)](
+    _mask_states_kernel[(cdiv(n_n, tiles_per_program), n_m, batch * heads)](
         t, states, *mask.strides, *states.stride()[:3], seqlen_q, seqlen_k, rows, cols, n_n, heads,
         seqlen_k - seqlen_q, args.window_left, args.window_right,
         *packed_operands(packed, t.device),
@@ -311,7 +317,7 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int],
     heads_out = 1 if mask_heads == 1 else num_heads
     shapes, offsets, total = [], [], 0
     for (block_m, block_n), transposed in passes:
-        n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+        n_m, n_n = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
         n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
         shapes.append((n_rows, n_cols))
         offsets.append(total)
@@ -324,7 +330,7 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int],
         operands += [offset, n_rows, n_cols]
         flags.update({f"BLOCK_M_{i}": block_m, f"BLOCK_N_{i}": block_n,
                       f"TRANSPOSED_{i}": transposed,
-                      f"BLOCK_C_{i}": min(128, triton.next_power_of_2(n_cols))})
+                      f"BLOCK_C_{i}": min(128, next_power_of_2(n_cols))})
     # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
     stride_fm = 0 if n_fine_m == 1 else fine.stride(2)
     stride_fn = 0 if n_fine_n == 1 else fine.stride(3)
@@ -340,10 +346,14 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int],
     result = []
     for ((block_m, block_n), _), (n_rows, n_cols), offset in zip(passes, shapes, offsets):
         counts = batch * heads_out * n_rows
-        num = lists[offset:offset + 2 * counts].view(2, batch, heads_out, n_rows)
-        idx = lists[offset + 2 * counts:offset + 2 * counts * (1 + n_cols)].view(
-            2, batch, heads_out, n_rows, n_cols)
-        result.append(TileLists(block_m, block_n, num[0], idx[0], num[1], idx[1]))
+        # one as_strided per tensor (slicing and viewing took three torch ops)
+        num_of = [lists.as_strided((batch, heads_out, n_rows), (heads_out * n_rows, n_rows, 1),
+                                   offset + part * counts) for part in (0, 1)]
+        idx_of = [lists.as_strided((batch, heads_out, n_rows, n_cols),
+                                   (heads_out * n_rows * n_cols, n_rows * n_cols, n_cols, 1),
+                                   offset + 2 * counts + part * counts * n_cols)
+                  for part in (0, 1)]
+        result.append(TileLists(block_m, block_n, num_of[0], idx_of[0], num_of[1], idx_of[1]))
     return result
 
 
@@ -387,7 +397,7 @@ def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, bloc
         valid = torch.ones_like(lens, dtype=torch.bool)
         key_count = torch.full((1, 1), seqlen_k, device=device, dtype=torch.int32)
     lens = torch.minimum(lens, key_count)
-    n_m, n_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+    n_m, n_n = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
     pad = n_m * block_m - seqlen_q
     shortest = torch.nn.functional.pad(torch.where(valid, lens, seqlen_k), (0, pad),
                                        value=seqlen_k).view(-1, n_m, block_m).amin(-1)

@@ -9,7 +9,7 @@ import triton.language as tl
 from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
                      load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
                      scores_log2, sequence_bounds, visible_elements)
-from .configs import DROPOUT_MAX_STAGES, forward_config, padded_head_dim, tma_enabled
+from .configs import DROPOUT_MAX_STAGES, cdiv, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .fwd_hopper import hopper_forward, hopper_forward_applies
 from .schedule import BlockBits, KernelArgs, TileLists
@@ -307,9 +307,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if dropout[0] > 0:
         # the dropout draws are regrouped through shared memory: one stage less
         num_stages = min(num_stages, DROPOUT_MAX_STAGES)
-    n_tiles_m = triton.cdiv(seqlen_q, block_m)
+    n_tiles_m = cdiv(seqlen_q, block_m)
     even_n = packed is None and seqlen_k % block_n == 0
-    sched = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \
+    sched = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     with descriptor_workspace():
@@ -320,7 +320,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             *(mask.operands() if mask is not None else unused),
             *(bias.operands() if bias is not None else unused),
             *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
-            *(bits.operands(batch, num_heads) if bits is not None
+            *(bits.operands() if bits is not None
               else BlockBits.placeholder_operands(q.device)),
             seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
             args.window_left, args.window_right,

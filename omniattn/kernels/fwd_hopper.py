@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -21,7 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import load_pair_tile, schedule_rows
-from .configs import compute_capability, gluon_enabled, hopper_forward_config, interpreting
+from .configs import (cdiv, compute_capability, gluon_enabled, hopper_forward_config,
+                      interpreting)
 from .elementwise import Elementwise
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
@@ -520,9 +520,9 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     cfg = hopper_forward_config(head_dim)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
-    n_tiles_m = triton.cdiv(seqlen_q, cfg.block_m)
+    n_tiles_m = cdiv(seqlen_q, cfg.block_m)
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, out)
-    lists = schedule.operands(batch, num_heads, n_tiles_m) if schedule is not None \
+    lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     _fwd_hopper_kernel[(n_tiles_m, batch * num_heads)](

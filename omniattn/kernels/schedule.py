@@ -6,13 +6,12 @@ Dense, causal and sliding-window schedules are implicit: the kernels derive tile
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .sequences import placeholder
+from .sequences import broadcast_strides, placeholder
 
 HIDDEN, PARTIAL, FULL = 0, 1, 2  # tile / block states
 
@@ -220,15 +219,13 @@ class TileLists:
     def tensors(self) -> list[torch.Tensor]:
         return [self.num_blocks, self.indices, self.full_num_blocks, self.full_indices]
 
-    def operands(self, batch: int, heads: int, n_rows: int) -> tuple:
-        """Kernel operands: 4 tensors then the (b, h, row) strides of each, broadcasts as stride 0."""
-        tensors, strides = [], []
-        for num, idx in ((self.num_blocks, self.indices), (self.full_num_blocks, self.full_indices)):
-            num = num.expand(batch, heads, n_rows)
-            idx = idx.expand(batch, heads, n_rows, idx.shape[-1])
-            tensors += [num, idx]
-            strides += [*num.stride(), *idx.stride()[:3]]
-        return (*tensors, *strides)
+    def operands(self) -> tuple:
+        """Kernel operands: 4 tensors then the (b, h, row) strides of each, broadcasts (batch or
+        heads of size 1) as stride 0."""
+        return (self.num_blocks, self.indices, self.full_num_blocks, self.full_indices,
+                *broadcast_strides(self.num_blocks), *broadcast_strides(self.indices)[:3],
+                *broadcast_strides(self.full_num_blocks),
+                *broadcast_strides(self.full_indices)[:3])
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
@@ -249,10 +246,9 @@ class BlockBits:
     block_q: int
     block_k: int
 
-    def operands(self, batch: int, heads: int) -> tuple:
+    def operands(self) -> tuple:
         """Kernel operands: slots, its (b, h, q block, k block) strides (broadcasts 0), bits."""
-        slots = self.slots.expand(batch, heads, *self.slots.shape[2:])
-        return (slots, *slots.stride(), self.bits)
+        return (self.slots, *broadcast_strides(self.slots), self.bits)
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
@@ -319,7 +315,9 @@ class Schedule:
     def launched_with(self, forward: tuple[int, int], backward: tuple[int, int]) -> "Schedule":
         """The same lists with the (num_warps, num_stages) of the forward and backward launches."""
         def launch(lists: TileLists, config: tuple[int, int]) -> TileLists:
-            return dataclasses.replace(lists, num_warps=config[0], num_stages=config[1])
+            # not dataclasses.replace: 10 us of host time each
+            return TileLists(lists.block_m, lists.block_n, lists.num_blocks, lists.indices,
+                             lists.full_num_blocks, lists.full_indices, *config)
         return Schedule(launch(self.forward, forward), launch(self.dq, backward),
                         launch(self.dkdv, backward), self.bits)
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import interpreting
+from .configs import cdiv, interpreting
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ def batch_shape(q: torch.Tensor, k: torch.Tensor, packed: PackedSequences | None
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, row, head) strides of q/k/v/out/grads: batch 0 for a packed (total, H, D) tensor."""
     return (0, t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides, 0 for each size-1 dim: what the kernels read as a broadcast (no expand,
+    which costs a torch op per tensor and call)."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
 
 
 def lse_strides(lse: torch.Tensor) -> tuple[int, int]:
@@ -99,11 +105,13 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need 16-byte aligned bases and 16-byte multiples for every stride but
     the (contiguous) last."""
     for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1:
+        *outer, last = t.stride()
+        if last != 1 or t.data_ptr() % 16:
             return False
-        if any((stride * size) % 16 for stride in t.stride()[:-1]):
-            return False
+        elements = 16 // t.element_size()  # per 16 bytes (sizes 1, 2, 4, 8)
+        for stride in outer:
+            if stride % elements:
+                return False
     return True
 
 
@@ -170,7 +178,7 @@ def length_order(row_lens: torch.Tensor, seqlen_k: int,
     lengths = torch.empty_like(order)
     if order.numel():
         block, chunk, num_warps = (16, 16, 1) if interpreting() else RANK_TILE
-        _length_rank_kernel[(triton.cdiv(seqlen_q, block), batch)](
+        _length_rank_kernel[(cdiv(seqlen_q, block), batch)](
             row_lens, row_lens.stride(0), order, lengths, seqlen_q, seqlen_k,
             BLOCK=block, CHUNK=chunk, num_warps=num_warps)
     return order, lengths
