@@ -69,9 +69,10 @@ def _bwd_preprocess(
     below stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in
     length order); delta is stored in that order and q, dO, lse are copied into it (QInOrder,
     DOutInOrder, LseInOrder) for the backward kernel. FOR_GLUON: the Gluon backward's other
-    operands too, saving it three torch ops: lse * inv_scale in LseScaled (laid out like delta;
-    +inf where lse = -inf, a row that saw no key, and past seqlen_q: p = 0 there) and DqSum
-    (fp32, like q) zeroed."""
+    operands too (a memset launch less per call, and two fills at lengths that are not a
+    multiple of its tile): lse * inv_scale in LseScaled (laid out like delta; +inf where
+    lse = -inf, a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q)
+    zeroed."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
