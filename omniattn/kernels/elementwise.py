@@ -332,8 +332,7 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int],
                       f"TRANSPOSED_{i}": transposed,
                       f"BLOCK_C_{i}": min(128, next_power_of_2(n_cols))})
     # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
-    stride_fm = 0 if n_fine_m == 1 else fine.stride(2)
-    stride_fn = 0 if n_fine_n == 1 else fine.stride(3)
+    stride_fm, stride_fn = broadcast_strides(fine)[2:]
     _mask_lists_kernel[(sum(rows for rows, _ in shapes), batch * heads_out)](
         fine, stride_fb, fine.stride(1), stride_fm, stride_fn,
         n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
