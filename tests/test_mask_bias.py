@@ -154,6 +154,9 @@ GLUON_CASES = [
     # (issue #4's form) and with a scalar bias
     (2, 256, 512, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None, False),
     (1, 200, 256, 4, 2, torch.float16, "bhqs", torch.uint8, "1111", True, None, False),
+    # and the forward by TMA too: one mask batch for two, keys past Sk in the last tile, rows
+    # that see no key
+    (2, 113, 272, 4, 2, torch.float16, "1kqs", torch.bool, "bh1s", False, None, True),
 ]
 
 

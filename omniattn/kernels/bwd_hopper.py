@@ -25,8 +25,8 @@ from triton._C.libtriton import ir
 from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import cdiv, hopper_backward_config
 from .elementwise import Elementwise
-from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _shared_layout, _tile_at,
-                         flat_launch, hopper_forward_candidate, tensor_descriptor)
+from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
+                         flat_launch, hopper_forward_candidate, mask_by_tma, tensor_descriptor)
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -576,23 +576,6 @@ def backward_row_stats(lse: torch.Tensor, block_m: int):
     return (stats, *stats.unbind(0))
 
 
-def _mask_by_tma(mask: Elementwise | None, block_m: int, half_n: int):
-    """(descriptor, rows per mask batch) of a mask the producer loads by TMA: one byte per
-    element, spanning (Sq, Sk), contiguous, rows 16-byte aligned, seen as (B|1 * Hm * Sq, Sk);
-    None where the consumers load it themselves (its broadcast forms are a row or a column per
-    tile; a 2-byte mask's buffers would not fit in shared memory)."""
-    if mask is None or not mask.spans_queries_and_keys:
-        return None
-    t = mask.tensor
-    if t.element_size() != 1 or not t.is_contiguous() or not tma_compatible(t):
-        return None
-    rows = t.view(-1, t.shape[-1])
-    block = (block_m, half_n)
-    desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
-                             _shared_layout(block, torch.uint8))
-    return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
-
-
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     row_stats: torch.Tensor, dq_sum: torch.Tensor, args: KernelArgs,
                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -632,7 +615,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # the row sums of a one-column dbias need scratch that the mask buffers leave no room for
     # (232,560 of 232,448 bytes on the H100)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
-    mask_tma = None if one_column_dbias else _mask_by_tma(mask, cfg.block_m, half_n)
+    mask_tma = None if one_column_dbias else mask_by_tma(mask, cfg.block_m, half_n)
     _bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),

@@ -152,13 +152,16 @@ class HopperTileConfig:
     per consumer warpgroup), block_n keys per K/V buffer, num_buffers K/V buffers in the ring.
     Backward (bwd_hopper.py): block_n keys per program (half per consumer warpgroup), block_m
     query rows per q / dO buffer, num_buffers of those. Registers per thread of the consumer and
-    producer partitions."""
+    producer partitions. mask_buffers: the forward's K/V buffers when the producer also loads
+    the element mask's tiles (a [block_m, block_n] byte tile per buffer; 0: the consumers load
+    them)."""
 
     block_m: int
     block_n: int
     num_buffers: int
     consumer_regs: int
     producer_regs: int
+    mask_buffers: int = 0
 
 
 # Gluon forward, keyed by head dim (exact: no padding). H100, bf16, do_bench, against fwd.py
@@ -170,9 +173,11 @@ class HopperTileConfig:
 # mask (issue #4's causal top-k keeping 1024 keys, B2 H16 4k), kernel call: key bias 0.433 ms
 # (fwd.py 0.542); 128x64 tiles with 3 / 4 / 5 buffers 0.500 / 0.509 / 0.501. A bias spanning
 # (Sq, Sk) spills at 128x128 (616 B; 0.81 ms) and ties fwd.py at 128x64 (0.614 against 0.610):
-# such calls stay in fwd.py
+# such calls stay in fwd.py. The mask's tiles by TMA through the producer (one byte per element,
+# spanning (Sq, Sk)) leave room for 2 K/V buffers: 0.410-0.412 ms against 0.437-0.454 loaded by
+# the consumers at 3 (profiler, 2026-11-24); a 3rd buffer would need 272 KB of shared memory
 _FWD_HOPPER = {
-    128: HopperTileConfig(128, 128, 3, 232, 40),
+    128: HopperTileConfig(128, 128, 3, 232, 40, mask_buffers=2),
 }
 
 

@@ -66,10 +66,13 @@ def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
 @gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, num_tiles, num_part, part_list, full_list, seqlen_q,
-             seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr):
+             seqlen_k, mask_desc, mask_smem, mask_row, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+             FLAT: gl.constexpr, EXPLICIT: gl.constexpr, MASK_TMA: gl.constexpr):
     """Producer: each consumer's query rows once, then the K and V tiles of step j into buffer
-    j % NUM_BUF as soon as both consumers released the step that used it before."""
+    j % NUM_BUF as soon as both consumers released the step that used it before. MASK_TMA: the
+    masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
+    head, query) flattened: mask_row is the program's first)."""
     for c in gl.static_range(2):
         _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
                    q_smem.index(c), HEAD_DIM, FLAT)
@@ -78,8 +81,24 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
         start_n = _tile_at(j, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
-        _load_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
-                   k_smem.index(buf), HEAD_DIM, FLAT)
+        if MASK_TMA:
+            # the consumers apply the mask in the PARTIAL steps and always in the first one
+            with_mask = (j < num_part) | (j == 0)
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes
+            mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+            # one expect per barrier and phase: it arrives, so all copies' bytes go in it
+            mbarrier.expect(k_ready.index(buf), k_bytes + mask_bytes, pred=with_mask)
+            mbarrier.expect(k_ready.index(buf), k_bytes, pred=(j >= num_part) & (j != 0))
+            # rows past Sq read the next head's (or zeros): they are never stored
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(
+                    mask_desc, [mask_row + c * BLOCK_M, start_n], k_ready.index(buf),
+                    mask_smem.index(buf * 2 + c), pred=with_mask)
+            _copy_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
+                       k_smem.index(buf), HEAD_DIM, FLAT)
+        else:
+            _load_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
+                       k_smem.index(buf), HEAD_DIM, FLAT)
         _load_tile(v_desc, off_b, start_n, off_hk, seqlen_k, v_ready.index(buf),
                    v_smem.index(buf), HEAD_DIM, FLAT)
 
@@ -186,9 +205,9 @@ def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stri
 def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
             window_right, qk_scale_log2, num_tiles_cta, num_part, part_list, full_list,
-            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
             CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-            HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+            HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
             EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -198,7 +217,9 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     `_overlapped_tile`. Explicit schedules: the program's PARTIAL tiles (predicate and mask),
     then its FULL ones. Implicit: the tiles every row of this consumer sees whole, then the
     ones it sees in part; a tile only the other consumer needs is still released once loaded,
-    so the producer's ring keeps turning. The first step is always treated as PARTIAL."""
+    so the producer's ring keeps turning. The first step is always treated as PARTIAL.
+    MASK_TMA: the mask tiles come from the producer (mask_smem), else each consumer loads its
+    own."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -235,14 +256,17 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         start_n = _tile_at(0, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
         keep, bias = _elementwise_tiles(
             start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-            seqlen_k - start_n, s_layout, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
+            seqlen_k - start_n, s_layout, HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
+            MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+            BLOCK_M, BLOCK_N)
         next_n = _tile_at(gl.minimum(1, num_tiles - 1), num_part, part_list, full_list,
                           EXPLICIT) * BLOCK_N
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
+        if HAS_MASK and MASK_TMA:
+            keep = mask_smem.index(CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
                                            diag_offset, window_right, qk_scale_log2, keep, bias,
@@ -255,18 +279,20 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                 s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
                 qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, EXPLICIT, EXPLICIT,
-                EXPLICIT and KEYS, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
-                HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
+                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, CONSUMER, EXPLICIT,
+                EXPLICIT, EXPLICIT and KEYS, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT,
+                EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
+                p_layout)
         for j in range(gl.maximum(num_first, 1), num_tiles):
             # FULL tiles of an explicit schedule may still run past Sk
             acc, p_op, m_i, l_i, next_n = _overlapped_tile(
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                 s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
                 qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, EXPLICIT, not EXPLICIT,
-                KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_ROWS_SHARED,
+                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, CONSUMER, EXPLICIT,
+                not EXPLICIT, KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_TMA,
+                MASK_ROWS_SHARED,
                 MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT,
                 EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
                 p_layout)
@@ -303,9 +329,10 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
                      l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
                      qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows,
-                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                     EXPLICIT: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr,
-                     HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
+                     CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr, MASKED: gl.constexpr,
+                     KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+                     MASK_ROWS_SHARED: gl.constexpr,
                      MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
                      BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
@@ -316,13 +343,15 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     softmax of S_j runs while the second matmul is on the tensor cores; then step j - 1's
     buffers go back to the producer. MASKED: a PARTIAL step (reads the mask, applies the KEYS
     predicate). Returns the next step's key start, read a step ahead like the mask / bias
-    tiles, whose loads are issued before the waits."""
+    tiles, whose loads are issued before the waits (MASK_TMA: the producer's mask tile is read
+    while the matmuls run)."""
     next_n = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
                       EXPLICIT) * BLOCK_N
     keep, bias = _elementwise_tiles(
         start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-        seqlen_k - start_n, s_layout, MASKED and HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-        HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
+        seqlen_k - start_n, s_layout, MASKED and HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
+        MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+        BLOCK_M, BLOCK_N)
     buf = j % NUM_BUF
     prev = (j - 1) % NUM_BUF
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
@@ -331,11 +360,21 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
+    # the producer's mask tile joins the bias while the matmuls run (one -inf select off the
+    # softmax's path: 0.410 against 0.416 ms); a mask the consumer loads itself would be waited
+    # for here (0.452 against 0.439)
+    TERMS: gl.constexpr = MASKED and HAS_MASK and MASK_TMA
+    if TERMS:
+        keep = mask_smem.index(buf * 2 + CONSUMER).load(s_layout)
+        if HAS_BIAS:
+            bias = gl.where(keep != 0, bias.to(gl.float32), float("-inf"))
+        else:
+            bias = gl.where(keep != 0, 0.0, float("-inf"))
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
                                        diag_offset, window_right, qk_scale_log2, keep, bias,
-                                       KEYS, MASKED and HAS_MASK, HAS_BIAS, HAS_RIGHT, EXPLICIT,
-                                       BLOCK_N)
+                                       KEYS, MASKED and HAS_MASK and not TERMS, HAS_BIAS or TERMS,
+                                       HAS_RIGHT, EXPLICIT, BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(prev))
@@ -349,11 +388,12 @@ def _fwd_hopper_kernel(
     KvNum, KvIdx, FullKvNum, FullKvIdx,
     stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
     seqlen_q, seqlen_k, num_heads, group, diag_offset, window_right, qk_scale_log2,
     HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+    MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -397,6 +437,14 @@ def _fwd_hopper_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    if MASK_TMA:
+        # each step's mask, a [BM, BN] tile per consumer (2 * buf + c)
+        mask_smem = gl.allocate_shared_memory(mask_desc.dtype,
+                                              [NUM_BUF * 2] + mask_desc.block_type.shape,
+                                              mask_desc.layout)
+    else:  # not read
+        mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
@@ -408,21 +456,22 @@ def _fwd_hopper_kernel(
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
-                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, 0,
-                   HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
-                   HEAD_DIM, NUM_BUF, FLAT)),
+                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
+                   0, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                   MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
-                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, 1,
-                   HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
-                   HEAD_DIM, NUM_BUF, FLAT)),
+                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
+                   1, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                   MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                     kv_free, off_b, off_h, off_h // group, start_m, num_tiles, num_part,
-                    part_list, full_list, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    NUM_BUF, FLAT, EXPLICIT)),
+                    part_list, full_list, seqlen_q, seqlen_k, mask_desc, mask_smem,
+                    off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -499,6 +548,24 @@ def _descriptor(t: torch.Tensor, block_rows: int, flat: bool,
     return tensor_descriptor(t, shape, strides, block, _shared_layout(block, t.dtype))
 
 
+def mask_by_tma(mask: Elementwise | None, block_rows: int, block_cols: int):
+    """(descriptor, rows per mask batch) of a mask a producer loads by TMA in [block_rows,
+    block_cols] boxes: one byte per element, spanning (Sq, Sk), contiguous, rows 16-byte
+    aligned, seen as (B|1 * Hm * Sq, Sk); None where the consumers load it themselves (its
+    broadcast forms are a row or a column per tile; a 2-byte mask's buffers would not fit in
+    shared memory)."""
+    if mask is None or not mask.spans_queries_and_keys:
+        return None
+    t = mask.tensor
+    if t.element_size() != 1 or not t.is_contiguous() or not tma_compatible(t):
+        return None
+    rows = t.view(-1, t.shape[-1])
+    block = (block_rows, block_cols)
+    desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
+                             _shared_layout(block, torch.uint8))
+    return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
+
+
 def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
                 *tensors: torch.Tensor) -> bool:
     """Whether 2-d descriptors serve: the lengths fill whole tiles and every tensor's rows are
@@ -525,16 +592,21 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
+    mask_tma = mask_by_tma(mask, block_m, cfg.block_n) if cfg.mask_buffers else None
+    q_desc = _descriptor(q, block_m, flat)
     _fwd_hopper_kernel[(n_tiles_m, batch * num_heads)](
-        _descriptor(q, block_m, flat), _descriptor(k, cfg.block_n, flat),
+        q_desc, _descriptor(k, cfg.block_n, flat),
         _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0),
         lse.stride(1), *lists,
         *(mask.operands() if mask is not None else unused),
+        *(mask_tma if mask_tma is not None else (q_desc, 0)),
         *(bias.operands() if bias is not None else unused),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_right, args.qk_scale_log2,
         HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
         EXPLICIT=schedule is not None, **Elementwise.kernel_flags(mask, bias),
+        MASK_TMA=mask_tma is not None,
         EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers, FLAT=flat,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        NUM_BUF=cfg.num_buffers if mask_tma is None else cfg.mask_buffers, FLAT=flat,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
