@@ -175,7 +175,7 @@ class HopperTileConfig:
 # (Sq, Sk) spills at 128x128 (616 B; 0.81 ms) and ties fwd.py at 128x64 (0.614 against 0.610):
 # such calls stay in fwd.py. The mask's tiles by TMA through the producer (one byte per element,
 # spanning (Sq, Sk)) leave room for 2 K/V buffers: 0.410-0.412 ms against 0.437-0.454 loaded by
-# the consumers at 3 (profiler, 2026-11-24); a 3rd buffer would need 272 KB of shared memory
+# the consumers at 3 (profiler, 2026-11-23); a 3rd buffer would need 272 KB of shared memory
 _FWD_HOPPER = {
     128: HopperTileConfig(128, 128, 3, 232, 40, mask_buffers=2),
 }
