@@ -157,6 +157,10 @@ GLUON_CASES = [
     # and the forward by TMA too: one mask batch for two, keys past Sk in the last tile, rows
     # that see no key
     (2, 113, 272, 4, 2, torch.float16, "1kqs", torch.bool, "bh1s", False, None, True),
+    # (Sq, Sk) biases the forward loads by TMA (rows of 16-byte multiples), with a mask it loads
+    # by TMA too and with one its consumers load, -inf entries and rows that see no key
+    (1, 255, 256, 4, 4, torch.float16, "bhqs", torch.uint8, "bhqs", True, None, True),
+    (2, 113, 200, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bkqs", True, None, True),
 ]
 
 
@@ -175,7 +179,9 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
     if degenerate:
         assert (out[:, :3] == 0).all()
     spans = bias_form is not None and bias_form[2:] == "qs"
-    expected = ([] if spans else ["fwd"]) + ([] if spans and bias_form[1] != "h" else ["bwd"])
+    # the forward takes an (Sq, Sk) bias whose rows TMA can read (2-byte elements: Sk % 8 == 0)
+    expected = ([] if spans and seqlen_k % 8 else ["fwd"]) \
+        + ([] if spans and bias_form[1] != "h" else ["bwd"])
     assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
 
 

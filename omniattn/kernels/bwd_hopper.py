@@ -26,7 +26,7 @@ from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import cdiv, hopper_backward_config
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
-                         flat_launch, hopper_forward_candidate, mask_by_tma, tensor_descriptor)
+                         by_tma, flat_launch, hopper_forward_candidate, tensor_descriptor)
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -615,7 +615,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # the row sums of a one-column dbias need scratch that the mask buffers leave no room for
     # (232,560 of 232,448 bytes on the H100)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
-    mask_tma = None if one_column_dbias else mask_by_tma(mask, cfg.block_m, half_n)
+    mask_tma = None if one_column_dbias else by_tma(mask, cfg.block_m, half_n, 1)
     _bwd_hopper_kernel[grid](
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),

@@ -179,6 +179,14 @@ class HopperTileConfig:
 _FWD_HOPPER = {
     128: HopperTileConfig(128, 128, 3, 232, 40, mask_buffers=2),
 }
+# Gluon forward with a 2-byte bias spanning (Sq, Sk): its tiles (and a byte mask's) come by TMA
+# with K, [64, 64] boxes per consumer: 3 stages of 64 keys take 200 KB of shared memory (at 128
+# keys one stage of bias and mask is 48 KB: 2 K/V buffers would need 256 KB). H100, issue #4's
+# top-k mask + full bias, forward kernel 0.450-0.452 ms against fwd.py's 0.601-0.604
+# (profiler, 2026-11-23); consumer loads at these tiles tied fwd.py (0.614 against 0.610)
+_FWD_HOPPER_FULL_BIAS = {
+    128: HopperTileConfig(128, 64, 3, 232, 40, mask_buffers=3),
+}
 
 
 # Gluon backward, keyed by head dim. H100, bf16, backward call (delta pre-pass, kernel, dQ
@@ -192,8 +200,9 @@ _BWD_HOPPER = {
 }
 
 
-def hopper_forward_config(head_dim: int) -> HopperTileConfig | None:
-    return _FWD_HOPPER.get(head_dim)
+def hopper_forward_config(head_dim: int, full_bias: bool = False) -> HopperTileConfig | None:
+    """full_bias: with a bias spanning (Sq, Sk)."""
+    return (_FWD_HOPPER_FULL_BIAS if full_bias else _FWD_HOPPER).get(head_dim)
 
 
 def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
@@ -220,15 +229,15 @@ def _key(head_dim: int, masked: bool) -> tuple[int, bool]:
 
 def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
                    elementwise: bool = False, tma: bool = False,
-                   gluon: bool = False) -> TileConfig:
+                   gluon: bool = False, full_bias: bool = False) -> TileConfig:
     """masked: causal / window / explicit schedule; elementwise: an element mask or a bias;
     tma: K/V tiles come through tensor descriptors; gluon: the Gluon forward takes the call
-    (its schedule is built at the Gluon tiles)."""
+    (its schedule is built at the Gluon tiles), full_bias: with a bias spanning (Sq, Sk)."""
     if interpreting():
         return _INTERPRETER
     if dtype == torch.float32:
         return _FP32
-    hopper = hopper_forward_config(head_dim)
+    hopper = hopper_forward_config(head_dim, full_bias)
     if gluon and hopper is not None:
         # the Triton launch of those lists where the Gluon kernel declines (TMA alignment):
         # top-k mask + key / full bias 0.570 / 0.640 ms at (128, 128, 8, 2), 2026-11-24

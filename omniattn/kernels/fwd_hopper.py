@@ -5,9 +5,10 @@ issues the next tile's QK^T before the softmax of the current one, so the softma
 tensor cores compute P V of the tile before (FA3's intra-warpgroup overlap, with asynchronous
 wgmma and explicit waits that Triton's `tl.dot` does not expose). It also runs element masks,
 biases and bitmap-free block masks: the key tiles then come from the schedule's lists (PARTIAL
-tiles first, then FULL ones) and each consumer loads its mask / bias tile straight into the
-scores' layout while its wgmmas run. Row lengths, packing, dropout, softcap, left windows and
-block-mask bitmaps run in `fwd.py`."""
+tiles first, then FULL ones). A byte mask and a 2-byte bias spanning (Sq, Sk) come by TMA with
+K (the producer's), their broadcast forms by each consumer's loads straight into the scores'
+layout; either is read while the wgmmas run. Row lengths, packing, dropout, softcap, left
+windows and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
 import functools
@@ -66,13 +67,15 @@ def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
 @gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, num_tiles, num_part, part_list, full_list, seqlen_q,
-             seqlen_k, mask_desc, mask_smem, mask_row, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-             FLAT: gl.constexpr, EXPLICIT: gl.constexpr, MASK_TMA: gl.constexpr):
+             seqlen_k, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
+             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr):
     """Producer: each consumer's query rows once, then the K and V tiles of step j into buffer
     j % NUM_BUF as soon as both consumers released the step that used it before. MASK_TMA: the
     masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
-    head, query) flattened: mask_row is the program's first)."""
+    head, query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias
+    tiles, likewise."""
     for c in gl.static_range(2):
         _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
                    q_smem.index(c), HEAD_DIM, FLAT)
@@ -81,19 +84,28 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
         start_n = _tile_at(j, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
-        if MASK_TMA:
-            # the consumers apply the mask in the PARTIAL steps and always in the first one
-            with_mask = (j < num_part) | (j == 0)
-            k_bytes: gl.constexpr = k_desc.block_type.nbytes
-            mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+        if MASK_TMA or BIAS_TMA:
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_TMA * 2 * \
+                bias_desc.block_type.nbytes
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
-            mbarrier.expect(k_ready.index(buf), k_bytes + mask_bytes, pred=with_mask)
-            mbarrier.expect(k_ready.index(buf), k_bytes, pred=(j >= num_part) & (j != 0))
-            # rows past Sq read the next head's (or zeros): they are never stored
-            for c in gl.static_range(2):
-                tma.async_copy_global_to_shared(
-                    mask_desc, [mask_row + c * BLOCK_M, start_n], k_ready.index(buf),
-                    mask_smem.index(buf * 2 + c), pred=with_mask)
+            if MASK_TMA:
+                # the consumers apply the mask in the PARTIAL steps and always in the first one
+                with_mask = (j < num_part) | (j == 0)
+                mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+                mbarrier.expect(k_ready.index(buf), k_bytes + mask_bytes, pred=with_mask)
+                mbarrier.expect(k_ready.index(buf), k_bytes, pred=(j >= num_part) & (j != 0))
+                # rows past Sq read the next head's (or zeros): they are never stored
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(
+                        mask_desc, [mask_row + c * BLOCK_M, start_n], k_ready.index(buf),
+                        mask_smem.index(buf * 2 + c), pred=with_mask)
+            else:
+                mbarrier.expect(k_ready.index(buf), k_bytes)
+            if BIAS_TMA:
+                for c in gl.static_range(2):
+                    tma.async_copy_global_to_shared(
+                        bias_desc, [bias_row + c * BLOCK_M, start_n], k_ready.index(buf),
+                        bias_smem.index(buf * 2 + c))
             _copy_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         else:
@@ -206,9 +218,9 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
             window_right, qk_scale_log2, num_tiles_cta, num_part, part_list, full_list,
             mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-            CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+            bias_smem, CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-            MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+            MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
             EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -218,8 +230,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     then its FULL ones. Implicit: the tiles every row of this consumer sees whole, then the
     ones it sees in part; a tile only the other consumer needs is still released once loaded,
     so the producer's ring keeps turning. The first step is always treated as PARTIAL.
-    MASK_TMA: the mask tiles come from the producer (mask_smem), else each consumer loads its
-    own."""
+    MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
+    else each consumer loads its own."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -257,8 +269,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         keep, bias = _elementwise_tiles(
             start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
             seqlen_k - start_n, s_layout, HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
-            MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-            BLOCK_M, BLOCK_N)
+            MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+            EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
         next_n = _tile_at(gl.minimum(1, num_tiles - 1), num_part, part_list, full_list,
                           EXPLICIT) * BLOCK_N
         mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -267,6 +279,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                           s_zero, use_acc=False, is_async=True)
         if HAS_MASK and MASK_TMA:
             keep = mask_smem.index(CONSUMER).load(s_layout)
+        if BIAS_TMA:
+            bias = bias_smem.index(CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
                                            diag_offset, window_right, qk_scale_log2, keep, bias,
@@ -279,10 +293,10 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                 s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
                 qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, CONSUMER, EXPLICIT,
-                EXPLICIT, EXPLICIT and KEYS, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT,
-                EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
+                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
+                EXPLICIT, EXPLICIT, EXPLICIT and KEYS, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
                 p_layout)
         for j in range(gl.maximum(num_first, 1), num_tiles):
             # FULL tiles of an explicit schedule may still run past Sk
@@ -290,12 +304,11 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                 s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
                 qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, CONSUMER, EXPLICIT,
-                not EXPLICIT, KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_TMA,
-                MASK_ROWS_SHARED,
-                MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_RIGHT,
-                EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
-                p_layout)
+                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
+                EXPLICIT, not EXPLICIT, KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_TMA,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF,
+                s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
@@ -326,19 +339,18 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 
 
 @gluon.jit
-def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
-                     l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
-                     qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows,
-                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
+def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                     s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
+                     qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
+                     stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
                      CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr, MASKED: gl.constexpr,
                      KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
-                     MASK_ROWS_SHARED: gl.constexpr,
-                     MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NUM_BUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     p_layout: gl.constexpr):
+                     MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
+                     BIAS_COLS_SHARED: gl.constexpr, HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr,
+                     EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
     softmax of S_j runs while the second matmul is on the tensor cores; then step j - 1's
     buffers go back to the producer. MASKED: a PARTIAL step (reads the mask, applies the KEYS
@@ -350,8 +362,8 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     keep, bias = _elementwise_tiles(
         start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
         seqlen_k - start_n, s_layout, MASKED and HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
-        MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-        BLOCK_M, BLOCK_N)
+        MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
+        EVEN_N, BLOCK_M, BLOCK_N)
     buf = j % NUM_BUF
     prev = (j - 1) % NUM_BUF
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
@@ -360,9 +372,11 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
-    # the producer's mask tile joins the bias while the matmuls run (one -inf select off the
-    # softmax's path: 0.410 against 0.416 ms); a mask the consumer loads itself would be waited
-    # for here (0.452 against 0.439)
+    # the producer's tiles are read while the matmuls run, the mask joined with the bias (one
+    # -inf select off the softmax's path: 0.410 against 0.416 ms); a mask the consumer loads
+    # itself would be waited for here (0.452 against 0.439)
+    if BIAS_TMA:
+        bias = bias_smem.index(buf * 2 + CONSUMER).load(s_layout)
     TERMS: gl.constexpr = MASKED and HAS_MASK and MASK_TMA
     if TERMS:
         keep = mask_smem.index(buf * 2 + CONSUMER).load(s_layout)
@@ -384,20 +398,18 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
 
 @gluon.jit
 def _fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
-    KvNum, KvIdx, FullKvNum, FullKvIdx,
-    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
-    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
-    seqlen_q, seqlen_k, num_heads, group, diag_offset, window_right, qk_scale_log2,
-    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-    MASK_COLS_SHARED: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-    FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, KvNum, KvIdx, FullKvNum, FullKvIdx,
+    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim, stride_fnb, stride_fnh,
+    stride_fnm, stride_fib, stride_fih, stride_fim, Mask, stride_mb, stride_mh, stride_mm,
+    stride_mn, mask_head_div, mask_desc, mask_batch_rows, Bias, stride_bb, stride_bh, stride_bm,
+    stride_bn, bias_head_div, bias_desc, bias_batch_rows, seqlen_q, seqlen_k, num_heads, group,
+    diag_offset, window_right, qk_scale_log2, HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr,
+    EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     tile_m = gl.program_id(0)
     if REVERSE_M:
@@ -445,6 +457,13 @@ def _fwd_hopper_kernel(
     else:  # not read
         mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
                                               gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    if BIAS_TMA:
+        bias_smem = gl.allocate_shared_memory(bias_desc.dtype,
+                                              [NUM_BUF * 2] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:
+        bias_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
@@ -457,32 +476,38 @@ def _fwd_hopper_kernel(
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
                    mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-                   0, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                   MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+                   bias_smem, 0, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                   MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
+                   EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
                    mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-                   1, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                   MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+                   bias_smem, 1, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                   MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
+                   EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                     kv_free, off_b, off_h, off_h // group, start_m, num_tiles, num_part,
                     part_list, full_list, seqlen_q, seqlen_k, mask_desc, mask_smem,
                     off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
+                    bias_desc, bias_smem,
+                    off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA, BIAS_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs, full_bias: bool = False) -> bool:
+def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
+                             full_bias: torch.Tensor | None = None) -> bool:
     """Whether the Gluon forward can take calls on q's device, dtype and head dim with these
-    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, no left window, no
-    bias spanning (Sq, Sk) (full_bias: configs.py says why); not turned off by
-    OMNIATTN_GLUON=0."""
-    if full_bias or not gluon_enabled() or interpreting() or q.device.type != "cuda":
+    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, no left window; a
+    bias spanning (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts;
+    not turned off by OMNIATTN_GLUON=0."""
+    if not gluon_enabled() or interpreting() or q.device.type != "cuda":
         return False
-    if compute_capability(q.device)[0] != 9 or hopper_forward_config(q.shape[-1]) is None:
+    if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
+        return False
+    if compute_capability(q.device)[0] != 9 \
+            or hopper_forward_config(q.shape[-1], full_bias is not None) is None:
         return False
     return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0 \
         and not args.has_left
@@ -493,11 +518,11 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
                            bias: Elementwise | None = None) -> bool:
     """Whether `hopper_forward` runs this call: a candidate (above) with (B, S, H, D) tensors
     that TMA can read and an explicit schedule, if any, at its tiles."""
-    full_bias = bias is not None and bias.spans_queries_and_keys
+    full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
             or not hopper_forward_candidate(q, args, full_bias):
         return False
-    cfg = hopper_forward_config(q.shape[-1])
+    cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
                                                                           cfg.block_n):
         return False
@@ -548,21 +573,28 @@ def _descriptor(t: torch.Tensor, block_rows: int, flat: bool,
     return tensor_descriptor(t, shape, strides, block, _shared_layout(block, t.dtype))
 
 
-def mask_by_tma(mask: Elementwise | None, block_rows: int, block_cols: int):
-    """(descriptor, rows per mask batch) of a mask a producer loads by TMA in [block_rows,
-    block_cols] boxes: one byte per element, spanning (Sq, Sk), contiguous, rows 16-byte
-    aligned, seen as (B|1 * Hm * Sq, Sk); None where the consumers load it themselves (its
-    broadcast forms are a row or a column per tile; a 2-byte mask's buffers would not fit in
-    shared memory)."""
-    if mask is None or not mask.spans_queries_and_keys:
+def tiles_by_tma(t: torch.Tensor) -> bool:
+    """Whether a (B|1, H|Hk|1, Sq, Sk) mask or bias can come by TMA: contiguous, its rows
+    16-byte aligned."""
+    return t.is_contiguous() and tma_compatible(t)
+
+
+def by_tma(elementwise: Elementwise | None, block_rows: int, block_cols: int,
+           element_size: int):
+    """(descriptor, rows per batch) of a mask (element_size 1) or bias (2) that a producer loads
+    by TMA in [block_rows, block_cols] boxes: spanning (Sq, Sk), `tiles_by_tma`, seen as
+    (B|1 * Hm * Sq, Sk); None where the consumers load it themselves (its broadcast forms are a
+    row or a column per tile; wider elements' buffers would not fit in shared memory)."""
+    if elementwise is None or not elementwise.spans_queries_and_keys:
         return None
-    t = mask.tensor
-    if t.element_size() != 1 or not t.is_contiguous() or not tma_compatible(t):
+    t = elementwise.tensor
+    if t.element_size() != element_size or not tiles_by_tma(t):
         return None
     rows = t.view(-1, t.shape[-1])
     block = (block_rows, block_cols)
+    dtype = torch.uint8 if element_size == 1 else t.dtype  # bool masks: bytes
     desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
-                             _shared_layout(block, torch.uint8))
+                             _shared_layout(block, dtype))
     return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
 
 
@@ -585,14 +617,15 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     if mask is not None and schedule is None:
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
-    cfg = hopper_forward_config(head_dim)
+    cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
     n_tiles_m = cdiv(seqlen_q, cfg.block_m)
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, out)
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    mask_tma = mask_by_tma(mask, block_m, cfg.block_n) if cfg.mask_buffers else None
+    mask_tma = by_tma(mask, block_m, cfg.block_n, 1) if cfg.mask_buffers else None
+    bias_tma = by_tma(bias, block_m, cfg.block_n, 2)
     q_desc = _descriptor(q, block_m, flat)
     _fwd_hopper_kernel[(n_tiles_m, batch * num_heads)](
         q_desc, _descriptor(k, cfg.block_n, flat),
@@ -601,11 +634,12 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         *(mask.operands() if mask is not None else unused),
         *(mask_tma if mask_tma is not None else (q_desc, 0)),
         *(bias.operands() if bias is not None else unused),
+        *(bias_tma if bias_tma is not None else (q_desc, 0)),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_right, args.qk_scale_log2,
         HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
         EXPLICIT=schedule is not None, **Elementwise.kernel_flags(mask, bias),
-        MASK_TMA=mask_tma is not None,
+        MASK_TMA=mask_tma is not None, BIAS_TMA=bias_tma is not None,
         EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         NUM_BUF=cfg.num_buffers if mask_tma is None else cfg.mask_buffers, FLAT=flat,
