@@ -355,8 +355,8 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     softmax of S_j runs while the second matmul is on the tensor cores; then step j - 1's
     buffers go back to the producer. MASKED: a PARTIAL step (reads the mask, applies the KEYS
     predicate). Returns the next step's key start, read a step ahead like the mask / bias
-    tiles, whose loads are issued before the waits (MASK_TMA: the producer's mask tile is read
-    while the matmuls run)."""
+    tiles, whose loads are issued before the waits (MASK_TMA / BIAS_TMA: the producer's tiles
+    are read while the matmuls run)."""
     next_n = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
                       EXPLICIT) * BLOCK_N
     keep, bias = _elementwise_tiles(
