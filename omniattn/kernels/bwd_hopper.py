@@ -26,7 +26,8 @@ from .common import load_pair_tile, schedule_rows, store_pair_tile
 from .configs import cdiv, hopper_backward_config
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
-                         by_tma, flat_launch, hopper_forward_candidate, tensor_descriptor)
+                         by_tma, flat_launch, hopper_forward_candidate, producer_tiles,
+                         tensor_descriptor)
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -466,14 +467,8 @@ def _bwd_hopper_kernel(
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
                                            stats_desc.layout)
-    if MASK_TMA:
-        # each buffered query tile's mask, a [BM, BN/2] tile per consumer (2 * buf + c)
-        mask_smem = gl.allocate_shared_memory(mask_desc.dtype,
-                                              [NUM_BUF * 2] + mask_desc.block_type.shape,
-                                              mask_desc.layout)
-    else:  # not read
-        mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    # each buffered query tile's mask, a [BM, BN/2] tile per consumer
+    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)

@@ -51,6 +51,20 @@ def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexp
 
 
 @gluon.jit
+def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr):
+    """Shared memory for the mask / bias tiles a producer copies through `desc` (BY_TMA): one
+    box per consumer and buffer, index 2 * buf + c; without BY_TMA a small stand-in, not
+    read."""
+    if BY_TMA:
+        smem = gl.allocate_shared_memory(desc.dtype, [NUM_BUF * 2] + desc.block_type.shape,
+                                         desc.layout)
+    else:
+        smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    return smem
+
+
+@gluon.jit
 def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
     """Key tile of a program's step: explicit schedules walk the PARTIAL list, then the FULL
     one; implicit ones tiles 0, 1, ..."""
@@ -449,21 +463,9 @@ def _fwd_hopper_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    if MASK_TMA:
-        # each step's mask, a [BM, BN] tile per consumer (2 * buf + c)
-        mask_smem = gl.allocate_shared_memory(mask_desc.dtype,
-                                              [NUM_BUF * 2] + mask_desc.block_type.shape,
-                                              mask_desc.layout)
-    else:  # not read
-        mask_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    if BIAS_TMA:
-        bias_smem = gl.allocate_shared_memory(bias_desc.dtype,
-                                              [NUM_BUF * 2] + bias_desc.block_type.shape,
-                                              bias_desc.layout)
-    else:
-        bias_smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    # each step's mask / bias, a [BM, BN] tile per consumer
+    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
+    bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA)
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
