@@ -42,7 +42,7 @@ def make_mask(shape, dtype, generator, keep_fraction=0.7):
 
 def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
              bias_form, causal=False, window=None, softcap=0.0, block_mask=None,
-             masked_rows=False, neg_inf_bias=False):
+             masked_rows=False, neg_inf_bias=False, bias_grad=True):
     generator = torch.Generator().manual_seed(seqlen_q * 31 + seqlen_k + heads_k)
     torch.manual_seed(seqlen_q + 7 * seqlen_k)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
@@ -56,7 +56,7 @@ def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_fo
         bias = torch.randn(elementwise_shape(bias_form, *dims), generator=generator)
         if neg_inf_bias:
             bias[torch.rand(bias.shape, generator=generator) < 0.2] = float("-inf")
-        bias = bias.to(device=DEVICE, dtype=dtype).requires_grad_()
+        bias = bias.to(device=DEVICE, dtype=dtype).requires_grad_(bias_grad)
     out, _, grads = run_and_check(q, k, v, attn_mask=mask, attn_bias=bias, block_mask=block_mask,
                                   causal=causal, window=window, softcap=softcap)
     return out, grads
@@ -69,7 +69,8 @@ def run_and_check(q, k, v, attn_mask=None, attn_bias=None, block_mask=None, **kw
     dout = torch.randn_like(q)
     out, lse = omniattn.attention(q, k, v, attn_mask=attn_mask, attn_bias=attn_bias,
                                   block_mask=block_mask, return_lse=True, **kwargs)
-    leaves = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+    leaves = (q, k, v) if attn_bias is None or not attn_bias.requires_grad \
+        else (q, k, v, attn_bias)
     grads = torch.autograd.grad(out, leaves, dout)
     for name, g in zip(("dq", "dk", "dv", "dbias"), grads):
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
@@ -161,6 +162,9 @@ GLUON_CASES = [
     # by TMA too and with one its consumers load, -inf entries and rows that see no key
     (1, 255, 256, 4, 4, torch.float16, "bhqs", torch.uint8, "bhqs", True, None, True),
     (2, 113, 200, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bkqs", True, None, True),
+    # a (Sq, Sk) bias per query head the backward's consumers copy by TMA: two heads per
+    # program (a copy at each head's first step), keys past Sk, beside a mask they load
+    (2, 177, 200, 4, 2, torch.bfloat16, "1kqs", torch.bool, "bhqs", True, None, False),
 ]
 
 
@@ -183,6 +187,16 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
     expected = ([] if spans and seqlen_k % 8 else ["fwd"]) \
         + ([] if spans and bias_form[1] != "h" else ["bwd"])
     assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+def test_gluon_backward_with_shared_bias_without_grad(gluon_calls):
+    """A (Sq, Sk) bias shared by each KV group and not learned: the Gluon backward's consumers
+    copy its tiles by TMA from the group's head (rows past Sq are the next head's)."""
+    run_case(2, 255, 384, 4, 2, 128, torch.float16, "bhqs", torch.bool, "bkqs", causal=True,
+             masked_rows=True, neg_inf_bias=True, bias_grad=False)
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 # (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk
