@@ -199,6 +199,22 @@ def test_gluon_backward_with_shared_bias_without_grad(gluon_calls):
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+def test_gluon_with_bias_in_another_dtype(gluon_calls):
+    """An fp16 (Sq, Sk) bias with bf16 inputs: both Gluon passes copy its tiles by TMA as fp16
+    (the backward into its bf16 dS buffer, reinterpreted); dbias comes back in fp16."""
+    generator = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    q, k, v = random_qkv(2, 200, 256, 4, 2, 128, torch.bfloat16)
+    mask = make_mask((2, 4, 200, 256), torch.bool, generator)
+    bias = torch.randn((2, 4, 200, 256), generator=generator).to(DEVICE, torch.float16)
+    _, _, grads = run_and_check(q, k, v, attn_mask=mask, attn_bias=bias.requires_grad_(),
+                                causal=True)
+    assert grads[3].dtype == torch.float16
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
+
+
 # (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk
 PACKED_FORMS = [("tks", "ths"), ("1ks", "1ks"), ("t1s", "t11"), (None, "tks"), ("tks", None)]
 

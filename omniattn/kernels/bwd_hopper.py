@@ -154,8 +154,9 @@ def _store_ds_tile(ds_own, dbias_rows, stride_dbm, stride_dbn, rows_left, cols_l
 
 @gluon.jit
 def _bias_buffer(bias_desc, ds_smem, i, CONSUMER: gl.constexpr, HALF_N: gl.constexpr):
-    """Step i's bias tile, [BM queries, BN/2 keys] as the producer's box: this consumer's half
-    of dS buffer i % 2, which the tile's dS overwrites once the bias is read."""
+    """Where step i's bias tile lands, [BM queries, BN/2 keys] as the TMA box (the bias's own
+    dtype and layout): this consumer's half of dS buffer i % 2, which the step's dS overwrites
+    once the bias is read."""
     return ds_smem.index(i % 2).slice(CONSUMER * HALF_N, HALF_N)._reinterpret(
         bias_desc.dtype, bias_desc.block_type.shape, bias_desc.layout)
 
@@ -179,9 +180,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
                 softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
                 dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
-                next_row, has_next, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-                HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-                MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
+                next_row, has_next, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+                MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
+                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
                 EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
