@@ -2,11 +2,15 @@
 on any machine: no GPU needed (Triton compiles for a named target; its bundled ptxas reports).
 
     python benchmarks/kernel_resources.py --kernel bwd --causal --bwd-tiles 64,128,128,64,8,3
+    python benchmarks/kernel_resources.py --kernel gluon-bwd --seqlen 256 --mask --bias full
 
 The launchers run on CPU tensors with the kernel launch replaced by a compile, so the kernels
 get exactly the constexprs and specialisations a GPU call of that shape would give them. The
 numbers match the H100's `CompiledKernel.n_regs` / shared memory (2026-11-25: D128 backward 255
 registers, 164,864 bytes); ptxas counts spills in bytes (n_spills on the device counts words).
+The Gluon kernels (fwd_hopper.py, bwd_hopper.py) run their launchers the same way, with issue #4's
+element mask and biases on request; their partitions set their own register budgets
+(setmaxnreg), so `registers` is the launch's, and the spills are what tells.
 """
 from __future__ import annotations
 
@@ -21,10 +25,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from omniattn.kernels import bwd, configs, fwd
-from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels import bwd, bwd_hopper, configs, fwd, fwd_hopper
+from omniattn.kernels.elementwise import Elementwise
+from omniattn.kernels.schedule import PARTIAL, KernelArgs, TileLists
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -37,7 +43,8 @@ def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
                                                           specialization, options)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=TARGET,
                               options=options.__dict__)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
@@ -70,9 +77,53 @@ def launches_compiled(names: set[str], reports: list[dict]):
         JITFunction.__getitem__ = original
 
 
+def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs, mask: bool,
+                bias_form: str | None) -> None:
+    """The Gluon forward or backward launcher on CPU tensors: with `mask`, a bool mask spanning
+    (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); a
+    bias of `bias_form` "key" (B, H, 1, Sk) or "full" (B, H, Sq, Sk), with its gradient."""
+    batch, seqlen, heads, head_dim = q.shape
+    masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
+        if mask else None
+    bias = None
+    if bias_form is not None:
+        rows = seqlen if bias_form == "full" else 1
+        bias = Elementwise.of(torch.randn(batch, heads, rows, seqlen, dtype=q.dtype), heads)
+
+    def lists(block_m: int, block_n: int, transposed: bool) -> TileLists:
+        states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n), PARTIAL,
+                            dtype=torch.int8)
+        return TileLists.from_states(states, block_m, block_n, transposed)
+
+    if kernel == "gluon-fwd":
+        cfg = fwd_hopper.hopper_forward_config(head_dim, bias_form == "full")
+        schedule = lists(cfg.block_m, cfg.block_n, False) if mask else None
+        fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q),
+                                  torch.empty(batch, heads, seqlen), schedule, masks, bias)
+        return
+    cfg = configs.hopper_backward_config(head_dim)
+    schedule = lists(cfg.block_m, cfg.block_n, True) if mask else None
+    dbias = None
+    if bias is not None:
+        # a key bias's sums over queries in fp32; a full bias's tiles in the inputs' dtype
+        grad = torch.empty(bias.tensor.shape, dtype=q.dtype if bias_form == "full"
+                           else torch.float32)
+        dbias = (grad, tuple(grad.stride()))
+    row_stats, _, _ = bwd_hopper.backward_row_stats(torch.zeros(batch, heads, seqlen),
+                                                    cfg.block_m)
+    bwd_hopper.hopper_backward(q, q, k, k, row_stats, torch.zeros(q.shape), args,
+                               torch.empty_like(q), torch.empty_like(k), torch.empty_like(k),
+                               schedule, masks, bias, dbias)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("fwd", "bwd"), default="bwd")
+    parser.add_argument("--kernel", choices=("fwd", "bwd", "gluon-fwd", "gluon-bwd"),
+                        default="bwd")
+    parser.add_argument("--mask", action="store_true",
+                        help="Gluon kernels: a bool element mask spanning (Sq, Sk)")
+    parser.add_argument("--bias", choices=("key", "full"),
+                        help="Gluon kernels: a key bias (B, H, 1, Sk) or a full one")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=4096)
@@ -91,11 +142,14 @@ def main() -> None:
     args = KernelArgs.make(opts.head_dim, opts.causal, None, None, 0.0)
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []
-    with launches_compiled({"_fwd_kernel", "_bwd_kernel"}, reports):
+    with launches_compiled({"_fwd_kernel", "_bwd_kernel", "_fwd_hopper_kernel",
+                            "_bwd_hopper_kernel"}, reports):
         if opts.kernel == "fwd":
             fwd.attention_forward(q, k, v, args)
-        else:
+        elif opts.kernel == "bwd":
             bwd.attention_backward(q, q, k, v, q, lse, args)
+        else:
+            _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias)
     for report in reports:
         cubin = report.pop("cubin")
         if opts.cubin:

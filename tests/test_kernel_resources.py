@@ -29,3 +29,19 @@ def test_forward_resources_of_the_tuned_config(tmp_path):
     # q tile + K/V tiles per stage, bf16: at least 16 KB + 3 x 32 KB
     assert int(report["shared_bytes"]) >= 16384 + 3 * 32768
     assert cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+@pytest.mark.parametrize("kernel, bias", [("gluon-fwd", "key"), ("gluon-bwd", "full")])
+def test_gluon_kernels_fit_in_shared_memory(kernel, bias):
+    """The Gluon kernels with issue #4's element mask and a key / full bias (tiles by TMA,
+    their rings in shared memory) compile for sm_90a within the H100's 232,448 bytes per
+    block (a launch past it fails only on the GPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, str(TOOL), "--kernel", kernel, "--causal", "--mask",
+                          "--bias", bias, "--seqlen", "256"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    report = dict(re.findall(r"(\w+)=(\w+)", out))
+    assert report["kernel"] == "_" + kernel.replace("gluon-", "") + "_hopper_kernel"
+    # above the K/V (forward) or q / dO (backward) rings alone, at most the H100's limit
+    assert 160 * 1024 < int(report["shared_bytes"]) <= 232448
