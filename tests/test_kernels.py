@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, check_against_reference, random_qkv
-from omniattn.kernels import bwd, configs, fwd
+from omniattn.kernels import bwd_hopper, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -161,6 +161,18 @@ def test_gluon_kernels(gluon_calls, case):
     tiles than its program, odd lengths, GQA groups summed in one backward program. Fails if
     either pass did not take the Gluon path."""
     check_case(*case)
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("pairs", [1, 2, 4])
+def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs):
+    """The causal Gluon backward runs its programs a group of (batch, KV head) pairs at a time;
+    9 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is written
+    and exact."""
+    monkeypatch.setattr(bwd_hopper, "causal_pairs_per_group", lambda *args: pairs)
+    check_case(3, 300, 400, 6, 3, 128, torch.bfloat16, "causal", 0.0)
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 

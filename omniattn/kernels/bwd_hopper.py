@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .common import load_pair_tile, schedule_rows, store_pair_tile
-from .configs import cdiv, hopper_backward_config
+from .configs import causal_pairs_per_group, cdiv, hopper_backward_config, sm_count
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
                          by_tma, flat_launch, hopper_forward_candidate, producer_tiles,
@@ -442,7 +442,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
 def _bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
     num_heads_k, group, delta_row0, diag_offset, window_right, qk_scale_log2, softmax_scale,
-    QNum, QIdx, FullQNum, FullQIdx,
+    num_pairs, pairs_per_group, QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
@@ -459,9 +459,16 @@ def _bwd_hopper_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     if LONGEST_FIRST:
-        # causal: key tile 0 has the most query tiles; every head's tile 0 starts first
-        tile_n = gl.program_id(1)
-        off_bh = gl.program_id(0)
+        # causal (a 1-d grid): key tile 0 has the most query tiles. The (batch, KV head) pairs
+        # go in groups of about a wave of programs, tile 0s first, so the programs that read a
+        # pair's q / dO rows and add into its dQ run together (`causal_pairs_per_group`)
+        num_tiles_n = gl.cdiv(seqlen_k, BLOCK_N)
+        pid = gl.program_id(0)
+        first_bh = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
+        group_len = gl.minimum(pairs_per_group, num_pairs - first_bh)
+        rank = pid - first_bh * num_tiles_n
+        tile_n = rank // group_len
+        off_bh = first_bh + rank % group_len
     else:
         tile_n = gl.program_id(0)
         off_bh = gl.program_id(1)
@@ -645,8 +652,13 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
                        dv)
     n_tiles_n = cdiv(seqlen_k, cfg.block_n)
-    longest_first = schedule is None and args.later_rows_see_more and n_tiles_n <= 65535
-    grid = (batch * num_heads_k, n_tiles_n) if longest_first else (n_tiles_n, batch * num_heads_k)
+    longest_first = schedule is None and args.later_rows_see_more
+    num_pairs = batch * num_heads_k
+    if longest_first:
+        grid = (num_pairs * n_tiles_n,)
+        pairs_per_group = causal_pairs_per_group(n_tiles_n, num_pairs, sm_count(q.device))
+    else:
+        grid, pairs_per_group = (n_tiles_n, num_pairs), num_pairs
     half_n = cfg.block_n // 2
     stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
     stats_desc = tensor_descriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
@@ -667,7 +679,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),
         _descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
         num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_right,
-        args.qk_scale_log2, args.softmax_scale, *lists,
+        args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group, *lists,
         *(mask.operands() if mask is not None else unused),
         *(mask_tma if mask_tma is not None else (stats_desc, 0)),
         *(bias.operands() if bias is not None else unused),
