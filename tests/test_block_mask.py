@@ -126,6 +126,7 @@ if GPU:
               bs if isinstance(bs, int) and bs > 16 else 64, dens, c, w)
              for (b, sq, sk, h, hk, d, dt, bh, bs, dens, c, w) in CASES]
     CASES.append((1, 1000, 1300, 8, 2, 128, torch.bfloat16, (1, 8), (128, 256), 0.3, True, None))
+    CASES.append((1, 700, 900, 4, 2, 256, torch.bfloat16, (1, 4), 128, 0.4, True, None))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))

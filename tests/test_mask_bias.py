@@ -103,6 +103,9 @@ if GPU:
     CASES += [(b, sq, sk, h, hk, d, torch.bfloat16, mf, md, bf, c, w, cap)
               for (b, sq, sk, h, hk, d, dt, mf, md, bf, c, w, cap) in CASES
               if dt == torch.float16]
+    # causal at head dim 256: the masked tiles of bwd.py's D256 config
+    CASES.append((2, 300, 410, 4, 2, 256, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None,
+                  0.0))
 
 
 def case_id(case):

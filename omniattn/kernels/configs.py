@@ -121,8 +121,11 @@ _BWD = {
     # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07. Top-k mask + key bias (2026-11-24): 1.28 ms (16
     # spills); 2 stages 1.47, (32, 128, 128, 64, 8, 3) 1.37, 64x64x4w 1.43, atomic dQ 1.32
     (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),
-    (256, False): BwdTileConfig(64, 64, 64, 64, 8, 1),  # 10.0 ms; (32, 32, 32, 32, 4, 1) 12.2
-    (256, True): BwdTileConfig(32, 32, 32, 32, 4, 1),  # 6.29 ms; (64, 64, 64, 64, 8, 1) 6.93
+    # D256, H100 backward call ms (profiler, 2026-11-23), dense / causal: 7.39-7.49 / 3.65-3.67;
+    # (64, 64, 64, 64, 8, 1) 10.76-10.93 / 8.81, (32, 32, 32, 32, 4, 1) 11.58 / 6.10, (64, 64, 64,
+    # 64, 8, 2) 7.88-7.93 / 4.42, (32, 32, 32, 64, 4, 2) 8.27 / 3.99-4.01, 3 stages 8.15 / 4.36-4.39
+    (256, False): BwdTileConfig(64, 32, 32, 64, 4, 2),
+    (256, True): BwdTileConfig(64, 32, 32, 64, 4, 2),
 }
 # element mask and/or bias (explicit mask schedules, bias loads), keyed by padded head dim; other
 # head dims use the masked entries above. H100, bf16, B2 H16 4k, causal top-k mask (52% tiles)
