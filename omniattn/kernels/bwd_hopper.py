@@ -464,11 +464,11 @@ def _bwd_hopper_kernel(
         # pair's q / dO rows and add into its dQ run together (`causal_pairs_per_group`)
         num_tiles_n = gl.cdiv(seqlen_k, BLOCK_N)
         pid = gl.program_id(0)
-        first_bh = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
-        group_len = gl.minimum(pairs_per_group, num_pairs - first_bh)
-        rank = pid - first_bh * num_tiles_n
+        first_pair = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
+        group_len = gl.minimum(pairs_per_group, num_pairs - first_pair)
+        rank = pid - first_pair * num_tiles_n
         tile_n = rank // group_len
-        off_bh = first_bh + rank % group_len
+        off_bh = first_pair + rank % group_len
     else:
         tile_n = gl.program_id(0)
         off_bh = gl.program_id(1)

@@ -228,9 +228,10 @@ def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
 def causal_pairs_per_group(num_tiles_n: int, num_pairs: int, num_sms: int) -> int:
     """(batch, KV head) pairs whose causal backward programs (num_tiles_n each) the Gluon
     backward runs as a group, longest first within it: about one wave of programs per group.
-    H100, backward kernel ms, one group for all pairs / one wave per group: GQA 32/8 causal 8k
-    3.07-3.14 / 2.74-2.80, 4k B2 1.73-1.74 / 1.43-1.44, 2k B4 1.02 / 0.79-0.81, GQA 32/4 4k B2
-    2.15-2.17 / 2.00-2.04, 64/8 8k 7.9-8.2 / 6.8-6.9; MHA causal 4k / 8k / 16k alike."""
+    H100, backward kernel ms in backward-only loops, one group for all pairs / one wave per
+    group: GQA 32/8 causal 8k 3.07-3.14 / 2.74-2.80 (3.04-3.16 / 2.80-3.02 between forwards),
+    4k B2 1.73-1.74 / 1.43-1.44, 2k B4 1.02 / 0.79-0.81, GQA 32/4 4k B2 2.15-2.17 / 2.00-2.04,
+    64/8 8k 7.9-8.2 / 6.8-6.9; MHA causal 4k / 8k / 16k alike; the H200 alike (GQA 8k)."""
     return max(1, min(num_pairs, num_sms // num_tiles_n))
 
 
