@@ -370,13 +370,17 @@ def test_mask_schedule_is_sound(form, causal, window, lengths):
 
 @pytest.mark.parametrize("form", ["bhqs", "b1qs", "b11s"])
 @pytest.mark.parametrize("lengths", [(70, 90), (128, 96)], ids=["ragged", "even"])
-def test_mask_states_read_in_chunks(form, lengths):
+@pytest.mark.parametrize("row_elements", [64, 1024], ids=["2_tiles", "all_tiles"])
+def test_mask_states_read_in_chunks(monkeypatch, form, lengths, row_elements):
     """The pre-pass stops reading a tile once it has seen a kept and a dropped element: tiles
     whose only dropped (or only kept) element is in their last row, or past their first chunk,
-    must still come out exact; all-kept and all-dropped tiles are read whole."""
+    must still come out exact; all-kept and all-dropped tiles are read whole. A program reads
+    two neighbouring tiles (the last program's second past the mask), or every tile of a row."""
+    from omniattn.kernels import elementwise
     from omniattn.kernels.elementwise import MASK_CHUNK_M, Elementwise, mask_tile_states
     from omniattn.kernels.schedule import KernelArgs
 
+    monkeypatch.setattr(elementwise, "MASK_ROW_ELEMENTS", row_elements)
     (batch, heads), (seqlen_q, seqlen_k), block = (2, 2), lengths, (64, 32)
     assert block[0] > MASK_CHUNK_M  # several chunks per tile
     generator = torch.Generator().manual_seed(sum(lengths) + len(form))

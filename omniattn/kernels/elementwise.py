@@ -90,17 +90,17 @@ def _mask_states_kernel(
     VARLEN: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, EVEN: tl.constexpr,
     CHUNK_M: tl.constexpr,
 ):
-    """States of TILES_PER_PROGRAM (mask batch, mask head, query tile, key tile) tiles: HIDDEN if
-    no element is kept, FULL if all in-bounds ones are, else PARTIAL. Tiles that causal/window
-    hide are HIDDEN without a read. A tile is read CHUNK_M rows at a time and only until it has
-    shown a kept and a dropped element: PARTIAL is then certain (a top-k mask keeping a quarter
-    of the keys shows both in its first chunk; HIDDEN and FULL tiles are read whole).
-    VARLEN: batch = packed sequence, tiles count from its first row and key, elements past its
-    lengths are out of bounds. EVEN: every tile lies inside the mask (unmasked loads vectorise;
-    masked ones read a byte at a time)."""
-    tile_m = tl.program_id(1)
-    off_b = tl.program_id(2) // num_heads
-    off_h = tl.program_id(2) % num_heads
+    """States of TILES_PER_PROGRAM neighbouring tiles of one (mask batch, mask head, query
+    tile): HIDDEN if no element is kept, FULL if all in-bounds ones are, else PARTIAL. Tiles
+    that causal/window hide are HIDDEN without a read. The program reads CHUNK_M rows of all its
+    tiles at a time (one load of CHUNK_M x TILES_PER_PROGRAM * BLOCK_N elements), and a tile only
+    until it has shown a kept and a dropped element: PARTIAL is then certain (a top-k mask
+    keeping a quarter of the keys shows both in its first chunk; HIDDEN and FULL tiles are read
+    whole). VARLEN: batch = packed sequence, tiles count from its first row and key, elements
+    past its lengths are out of bounds. EVEN: every tile lies inside the mask."""
+    tile_m = tl.program_id(2)
+    off_b = tl.program_id(1) // num_heads
+    off_h = tl.program_id(1) % num_heads
     first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
                                                      seqlen_k, VARLEN)
     if VARLEN:
@@ -110,55 +110,53 @@ def _mask_states_kernel(
         if not COLS_SHARED:
             mask_cols = tl.minimum(mask_cols, seqlen_k)
     start_m = tile_m * BLOCK_M
-    states = States + off_b * stride_sb + off_h * stride_sh + tile_m * stride_sm
     lo = 0
     hi = n_cols
     if not ROWS_SHARED and not COLS_SHARED:
         lo, _, _, hi = implicit_kv_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left,
                                          window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    tiles = tl.program_id(0) * TILES_PER_PROGRAM + tl.arange(0, TILES_PER_PROGRAM)  # [T]
+    in_range = (tiles >= lo) & (tiles < hi) & (tiles < n_cols)
+    cols = tiles[None, :, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]  # [1, T, BN]
+    col_ptrs = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh \
+        + (first_q + start_m).to(tl.int64) * stride_mm + cols.to(tl.int64) * stride_mn
+    tile_rows = tl.minimum(mask_rows - start_m, BLOCK_M)
     offs_m = tl.arange(0, CHUNK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    row_base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh \
-        + (first_q + start_m).to(tl.int64) * stride_mm
-    rows_left = mask_rows - start_m
-    tile_rows = tl.minimum(rows_left, BLOCK_M)
-    for t in tl.static_range(TILES_PER_PROGRAM):
-        tile_n = tl.program_id(0) * TILES_PER_PROGRAM + t
-        if tile_n < n_cols:
-            state = tl.zeros([], tl.int32) + _HIDDEN
-            if (tile_n >= lo) & (tile_n < hi):
-                start_n = tile_n * BLOCK_N
-                tile_base = row_base + start_n.to(tl.int64) * stride_mn
-                n_kept = tl.zeros([], tl.int32)
-                n_inside = tl.zeros([], tl.int32)
-                chunk = 0
-                # undecided while every element read so far is kept, or none is
-                while (chunk < tile_rows) & ((n_kept == 0) | (n_kept == n_inside)):
-                    chunk_ptrs = tile_base + (chunk + offs_m[:, None]).to(tl.int64) * stride_mm \
-                        + offs_n[None, :] * stride_mn  # [CM, BN]
-                    if EVEN:
-                        keep = tl.load(chunk_ptrs) != 0
-                        n_inside += CHUNK_M * BLOCK_N
-                    else:
-                        inside = (chunk + offs_m[:, None] < rows_left) \
-                            & (offs_n[None, :] < mask_cols - start_n)  # [CM, BN]
-                        keep = tl.load(chunk_ptrs, mask=inside, other=0) != 0
-                        n_inside += tl.sum(tl.sum(inside.to(tl.int32), 1), 0)
-                    n_kept += tl.sum(tl.sum(keep.to(tl.int32), 1), 0)
-                    chunk += CHUNK_M
-                state = tl.where(n_kept == 0, _HIDDEN,
-                                 tl.where(n_kept == n_inside, _FULL, _PARTIAL))
-            tl.store(states + tile_n, state.to(tl.int8))
+    n_kept = tl.zeros([TILES_PER_PROGRAM], tl.int32)
+    n_inside = tl.zeros([TILES_PER_PROGRAM], tl.int32)
+    undecided = in_range  # every element read so far kept, or none
+    chunk = 0
+    while (chunk < tile_rows) & (tl.max(undecided.to(tl.int32), 0) > 0):
+        rows = chunk + offs_m[:, None, None]  # [CM, 1, 1]
+        read = undecided[None, :, None]  # [1, T, 1]
+        if EVEN:
+            keep = tl.load(col_ptrs + rows.to(tl.int64) * stride_mm, mask=read, other=0) != 0
+            n_inside += CHUNK_M * BLOCK_N
+        else:
+            inside = (rows < tile_rows) & (cols < mask_cols)  # [CM, T, BN]
+            keep = tl.load(col_ptrs + rows.to(tl.int64) * stride_mm, mask=read & inside,
+                           other=0) != 0
+            n_inside += tl.sum(tl.sum(inside.to(tl.int32), 2), 0)
+        n_kept += tl.sum(tl.sum(keep.to(tl.int32), 2), 0)
+        # a decided tile stays PARTIAL: its count of kept elements stops, that of inside ones not
+        undecided = in_range & ((n_kept == 0) | (n_kept == n_inside))
+        chunk += CHUNK_M
+    state = tl.where(n_kept == 0, _HIDDEN, tl.where(n_kept == n_inside, _FULL, _PARTIAL))
+    state = tl.where(in_range, state, _HIDDEN)
+    tl.store(States + off_b * stride_sb + off_h * stride_sh + tile_m * stride_sm + tiles,
+             state.to(tl.int8), mask=tiles < n_cols)
 
 
-# The pre-pass reads a tile MASK_CHUNK_M rows at a time; H100, B2 H16 4k causal, 64x64 tiles,
-# whole tiles / 32 / 16 rows: top-k (keep 1024) 0.116 / 0.077 / 0.069 ms, 10% of tiles kept
-# 0.116 / 0.117 / 0.141, tril (FULL and HIDDEN tiles, read whole) 0.116 / 0.120 / 0.147.
-# Reading the first chunk of all of a program's tiles in one load was 1.5-3x slower.
-MASK_CHUNK_M = 32
-# tiles per program, 4 / 8 at 32 rows: top-k 0.077 / 0.080 ms, tril 0.120 / 0.134; one per
-# program is launch-bound (131k programs at 4k)
-MASK_TILES_PER_PROGRAM = 4
+# The pre-pass reads MASK_CHUNK_M rows of MASK_ROW_ELEMENTS keys (neighbouring tiles) per load.
+# H100, B2 H16 4k, 64x64 tiles, kernel ms (profiler) for masks: top-k 1024 causal / 10% random
+# causal / 256-block causal (read whole) / 128-blocks 25% random (read whole). One tile of 32
+# rows at a time, 4 tiles per program (before): 0.078 / 0.074 / 0.191 / 0.213. Now (4 rows,
+# 256 keys, 2 warps): 0.030 / 0.022 / 0.185 / 0.195; 8 rows 0.034 / 0.027 / 0.173 / 0.194;
+# 16-32 rows and 1024-2048 keys slower; query tiles last in the grid 0.042 -> 0.034 (top-k, 8
+# rows); a first chunk of 4-8 rows, then 16-32, slower on all four.
+MASK_CHUNK_M = 4
+MASK_ROW_ELEMENTS = 256
+MASK_NUM_WARPS = 2
 
 
 def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
@@ -174,8 +172,11 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
         rows = 1 if mask.rows_shared else seqlen_q
     n_m, n_n = cdiv(rows, block_m), cdiv(cols, block_n)
     states = torch.empty((batch, heads, n_m, n_n), dtype=torch.int8, device=t.device)
-    tiles_per_program = MASK_TILES_PER_PROGRAM
-    _mask_states_kernel[(cdiv(n_n, tiles_per_program), n_m, batch * heads)](
+    tiles_per_program = min(max(1, MASK_ROW_ELEMENTS // block_n), next_power_of_2(n_n))
+    # query tiles in launch order: a mask's long reads (FULL / HIDDEN tiles, read whole) often
+    # sit in its first rows (top-k: those that see fewer keys than it keeps), started first so
+    # they do not trail the launch
+    _mask_states_kernel[(cdiv(n_n, tiles_per_program), batch * heads, n_m)](
         t, states, *mask.strides, *states.stride()[:3], seqlen_q, seqlen_k, rows, cols, n_n, heads,
         seqlen_k - seqlen_q, args.window_left, args.window_right,
         *packed_operands(packed, t.device),
@@ -184,7 +185,7 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
         TILES_PER_PROGRAM=tiles_per_program,
         EVEN=packed is None and rows % block_m == 0 and cols % block_n == 0 and
         not mask.rows_shared and not mask.cols_shared,
-        CHUNK_M=min(MASK_CHUNK_M, block_m) if rows > 1 else 1,
+        CHUNK_M=min(MASK_CHUNK_M, block_m) if rows > 1 else 1, num_warps=MASK_NUM_WARPS,
     )
     return states
 
