@@ -128,7 +128,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--heads-k", type=int, default=16, help="of 16 query heads (GQA below 16)")
-    parser.add_argument("--bwd-tiles", help="m1,n1,m2,n2,warps,stages in place of the config")
+    parser.add_argument("--bwd-tiles", help="m1,n1,m2,n2,warps,stages[,atomic_dq[,dkdv_apart]] "
+                        "(flags 0 / 1) in place of the config")
     parser.add_argument("--cubin", metavar="PATH", help="write the cubin (cuobjdump -sass it)")
     opts = parser.parse_args()
     if opts.bwd_tiles:

@@ -5,8 +5,11 @@ PyTorch in the same dtype (the reference with upcast=False), plus a small atol.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from omniattn.kernels import configs
 from omniattn.reference import attention_reference
 
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-5}
@@ -21,6 +24,16 @@ def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, devic
     k = torch.randn(batch, seqlen_k, heads_k, head_dim, device=device, dtype=dtype)
     v = torch.randn(batch, seqlen_k, heads_k, head_dim, device=device, dtype=dtype)
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def replace_backward_configs(monkeypatch, **changes) -> None:
+    """Every bwd.py tile config (the tuned tables, fp32's, the interpreter's) with `changes`
+    (BwdTileConfig fields) applied, for the test's duration."""
+    for table in (configs._BWD, configs._BWD_FULL_BIAS):
+        for key, cfg in list(table.items()):
+            monkeypatch.setitem(table, key, dataclasses.replace(cfg, **changes))
+    for name in ("_FP32_BWD", "_INTERPRETER_BWD"):
+        monkeypatch.setattr(configs, name, dataclasses.replace(getattr(configs, name), **changes))
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

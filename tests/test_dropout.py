@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, assert_close
+from helpers import DEVICE, GPU, assert_close, replace_backward_configs
 
 SEED = 1234
 
@@ -74,11 +74,14 @@ def reference_with_mask(q, k, v, keep, p, dout, dtype, causal=False):
     return out.detach(), grads
 
 
+@pytest.mark.parametrize("dkdv_apart", [False, True], ids=["dkdv_together", "dkdv_apart"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_backward_consistency(causal):
+def test_forward_backward_consistency(monkeypatch, causal, dkdv_apart):
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim = \
         (2, 130, 257, 4, 2, 64) if GPU else (1, 21, 37, 4, 2, 16)
     p = 0.3
+    if dkdv_apart:  # dV and dK from programs of their own draw the same dropout mask
+        replace_backward_configs(monkeypatch, dkdv_apart=True)
     keep = dropout_mask(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, p, causal=causal)
     dtype = torch.float16
     q = torch.randn(batch, seqlen_q, heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)

@@ -6,13 +6,12 @@ NaN before each launch so an element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, check_against_reference, random_qkv, replace_backward_configs
 from omniattn.kernels import bwd_hopper, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
@@ -223,10 +222,28 @@ if GPU:
 def test_atomic_and_deterministic_dq(monkeypatch, case, deterministic):
     """Every backward config set to add dQ with atomics: deterministic=True must still take the
     dQ programs, False the atomics (on the GPU most tuned configs use the dQ programs)."""
-    for table in (configs._BWD, configs._BWD_FULL_BIAS):
-        for key, cfg in list(table.items()):
-            monkeypatch.setitem(table, key, dataclasses.replace(cfg, atomic_dq=True))
+    replace_backward_configs(monkeypatch, atomic_dq=True)
     check_case(*case, deterministic=deterministic)
+
+
+APART_CASES = [(1, 40, 17, 4, 2, 32, torch.float16, "causal", 0.0),
+               (1, 23, 37, 4, 2, 32, torch.float16, "window", 5.0),
+               (2, 1, 33, 4, 1, 24, torch.float32, "dense", 0.0)]
+if GPU:
+    APART_CASES += [(2, 255, 113, 8, 2, 128, torch.bfloat16, "dense", 0.0),
+                    (2, 300, 384, 8, 8, 64, torch.float16, "causal", 3.0),
+                    (1, 113, 255, 4, 1, 256, torch.bfloat16, "causal_window", 0.0)]
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_programs", "atomic_dq"])
+@pytest.mark.parametrize("case", APART_CASES,
+                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_dkdv_in_two_programs(monkeypatch, case, atomic_dq):
+    """dV and dK of each key tile from two programs (BwdTileConfig.dkdv_apart): exact with the
+    dQ programs and with the dK programs' atomic dQ, for GQA groups, softcap, windows."""
+    monkeypatch.setenv("OMNIATTN_GLUON", "0")
+    replace_backward_configs(monkeypatch, dkdv_apart=True, atomic_dq=atomic_dq)
+    check_case(*case)
 
 
 def test_custom_scale():

@@ -6,14 +6,11 @@ element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import omniattn
-from omniattn.kernels import configs
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, check_against_reference, random_qkv, replace_backward_configs
 from test_block_mask import element_visibility, random_block_mask
 
 
@@ -118,6 +115,15 @@ def test_mask_and_bias(case):
      causal, window, softcap) = case
     run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
              bias_form, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 5)], ids=case_id)
+def test_mask_and_bias_with_dkdv_in_two_programs(monkeypatch, case):
+    """dK (and dbias: a full bias, a key bias, a bias per query row) from programs apart from
+    dV's (BwdTileConfig.dkdv_apart)."""
+    monkeypatch.setenv("OMNIATTN_GLUON", "0")
+    replace_backward_configs(monkeypatch, dkdv_apart=True)
+    test_mask_and_bias(case)
 
 
 def test_fully_masked_rows_and_neg_inf_bias():
@@ -407,9 +413,7 @@ def test_full_bias_gradient_outside_the_lists(monkeypatch, deterministic, left_w
     buffer is zeroed only where the backward's lists never go (the dK/dV lists with atomic dQ,
     forced here when not deterministic, or the dQ lists); NaN-poisoned memory elsewhere must all
     be overwritten, and the hidden tiles come back 0."""
-    for table in (configs._BWD, configs._BWD_FULL_BIAS):
-        for key, cfg in list(table.items()):
-            monkeypatch.setitem(table, key, dataclasses.replace(cfg, atomic_dq=True))
+    replace_backward_configs(monkeypatch, atomic_dq=True)
     scale = 9 if GPU else 1
     # causal with 20 keys left of the diagonal: the last rows see no key tile of the first 24
     structure = dict(window=(20 * scale, 0)) if left_window else dict(causal=True)

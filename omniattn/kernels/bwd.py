@@ -134,14 +134,16 @@ def _dkdv_tiles(
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROW_ORDER: tl.constexpr,
+    WITH_DK: tl.constexpr, WITH_DV: tl.constexpr,
 ):
-    """Accumulate dK, dV [BN, BD] of one key tile over `num_tiles` query tiles (transposed form:
-    scores are [BN, BM]). Rows past Sq load q = dO = 0 and lse = +inf, so they add nothing.
-    mask_cols / bias_cols / dbias_cols point at this key tile's first key (query 0). With DBIAS
-    the score gradient goes to dbias: stored per element, or summed over queries into
-    dbias_keys [BN] when the bias has one row for every query. With ATOMIC_DQ this tile's share
-    of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD] pointers at query 0), row r
-    at the caller's row row_order[r] with ROW_ORDER (q, dO, lse and delta come in length order)."""
+    """Accumulate dK, dV [BN, BD] (WITH_DK / WITH_DV: the ones asked for) of one key tile over
+    `num_tiles` query tiles (transposed form: scores are [BN, BM]). Rows past Sq load q = dO = 0
+    and lse = +inf, so they add nothing. mask_cols / bias_cols / dbias_cols point at this key
+    tile's first key (query 0). With DBIAS the score gradient goes to dbias: stored per element,
+    or summed over queries into dbias_keys [BN] when the bias has one row for every query. With
+    ATOMIC_DQ this tile's share of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD]
+    pointers at query 0), row r at the caller's row row_order[r] with ROW_ORDER (q, dO, lse and
+    delta come in length order)."""
     local_n = tl.arange(0, offs_n.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -190,39 +192,43 @@ def _dkdv_tiles(
                     bit_col + (start_m // USER_BQ) * stride_sq, block_bits, rows, offs_n,
                     USER_BQ, USER_BK, True)
             p_t = tl.where(visible_t, p_t, 0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
         if DROPOUT:
-            # dropped elements carry neither probability to dV nor gradient to dP
             keep_t = dropout_keep(rng_seed, rng_base, rows, offs_n, rng_stride, dropout_p, True)
-            dv += tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do,
-                         input_precision=DOT_PRECISION)
-            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
-        else:
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])  # d loss / d (score + bias)
-        if DBIAS:
-            if BIAS_ROWS_SHARED:
-                dbias_keys += tl.sum(ds_t, 1)
+        if WITH_DV:
+            if DROPOUT:
+                # dropped elements carry neither probability to dV nor gradient to dP
+                dv += tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do,
+                             input_precision=DOT_PRECISION)
             else:
-                store_pair_tile(dbias_cols + start_m.to(tl.int64) * stride_dbm, ds_t, local_n,
-                                offs_m, stride_dbn, stride_dbm, cols_left, seqlen_q - start_m,
-                                DBIAS_ACCUMULATE)
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - capped_t * capped_t)
-        ds_t = ds_t.to(q.dtype)
-        dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
-            if ROW_ORDER:  # dq_tile sits at rows offs_m: move each row to its caller row
-                caller_rows = tl.load(row_order + rows, mask=rows < seqlen_q, other=0)
-                dq_ptrs = dq_tile + (caller_rows - offs_m).to(tl.int64)[:, None] * stride_dqm
-            else:
-                dq_ptrs = dq_tile + start_m.to(tl.int64) * stride_dqm  # [BM, BD]
-            if EVEN_M and BLOCK_D == HEAD_DIM:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed",
-                              mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
+            if DROPOUT:
+                dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])  # d loss / d (score + bias)
+            if DBIAS:
+                if BIAS_ROWS_SHARED:
+                    dbias_keys += tl.sum(ds_t, 1)
+                else:
+                    store_pair_tile(dbias_cols + start_m.to(tl.int64) * stride_dbm, ds_t,
+                                    local_n, offs_m, stride_dbn, stride_dbm, cols_left,
+                                    seqlen_q - start_m, DBIAS_ACCUMULATE)
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - capped_t * capped_t)
+            ds_t = ds_t.to(q.dtype)
+            dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
+            if ATOMIC_DQ:
+                dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
+                if ROW_ORDER:  # dq_tile sits at rows offs_m: move each row to its caller row
+                    caller_rows = tl.load(row_order + rows, mask=rows < seqlen_q, other=0)
+                    dq_ptrs = dq_tile + (caller_rows - offs_m).to(tl.int64)[:, None] * stride_dqm
+                else:
+                    dq_ptrs = dq_tile + start_m.to(tl.int64) * stride_dqm  # [BM, BD]
+                if EVEN_M and BLOCK_D == HEAD_DIM:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed",
+                                  mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
     return dk, dv, dbias_keys
 
 
@@ -326,13 +332,14 @@ def _dkdv_program(
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
+    LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr, WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
 ):
-    """dK/dV of key tile `tile_n`, summed over query heads [first_head, first_head + HEADS) (a
-    KV group, or a part of one) into head slot `kv_slot` of DK/DV; with DBIAS (a bias spanning
-    the keys) also dbias of its keys: per query head, or summed over the heads into slot
-    `kv_slot` when DBIAS_PER_QHEAD is off. With ATOMIC_DQ also each query head's dQ share, added
-    into the fp32 DQ."""
+    """dK/dV (WITH_DK / WITH_DV: the ones asked for) of key tile `tile_n`, summed over query
+    heads [first_head, first_head + HEADS) (a KV group, or a part of one) into head slot
+    `kv_slot` of DK/DV; with DBIAS (a bias spanning the keys) and WITH_DK also dbias of its keys:
+    per query head, or summed over the heads into slot `kv_slot` when DBIAS_PER_QHEAD is off.
+    With ATOMIC_DQ and WITH_DK also each query head's dQ share, added into the fp32 DQ."""
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     local_n = tl.arange(0, BLOCK_N)
@@ -340,8 +347,10 @@ def _dkdv_program(
     offs_d = tl.arange(0, BLOCK_D)
     k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + local_n[:, None] * stride_kn
                   + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
-    v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
-                  + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
+    v = k  # not read without dK
+    if WITH_DK:
+        v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + local_n[:, None] * stride_vn
+                      + offs_d[None, :], offs_n, seqlen_k, offs_d, EVEN_N, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -389,10 +398,10 @@ def _dkdv_program(
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                 HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                HAS_ROW_LENS, DROPOUT, DBIAS, (not DBIAS_PER_QHEAD) and HEADS > 1,
+                HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
-                ATOMIC_DQ, ROW_ORDER)
-        if DBIAS and BIAS_ROWS_SHARED:
+                ATOMIC_DQ, ROW_ORDER, WITH_DK, WITH_DV)
+        if DBIAS and WITH_DK and BIAS_ROWS_SHARED:
             # a key bias: the sum over this head's queries, in the head's own slot
             tl.static_assert(DBIAS_PER_QHEAD, "a key bias's gradient has a slot per query head")
             tl.store(dbias_cols + local_n * stride_dbn,
@@ -404,8 +413,10 @@ def _dkdv_program(
     dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + kv_slot.to(tl.int64) * stride_dvh \
         + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
     store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+    if WITH_DK:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+    if WITH_DV:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -546,11 +557,12 @@ def _bwd_kernel(
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, LENGTH_RANGES: tl.constexpr,
-    ROW_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    ROW_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr, DKDV_APART: tl.constexpr,
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
-    of its own), the rest dQ (one per query tile and query head of the KV group). LONGEST_FIRST
+    of its own; DKDV_APART: twice as many, even ones dV, odd ones dK), the rest dQ (one per
+    query tile and query head of the KV group). LONGEST_FIRST
     (causal): the program axis is grid axis 1, so the GPU starts every (batch, KV head)'s first
     program before any second one, and dQ programs take their query tiles last to first: the
     longest run first."""
@@ -590,35 +602,42 @@ def _bwd_kernel(
     row_order = RowOrder + off_b.to(tl.int64) * stride_rlb
     bit_batch = BitSlots + off_b * stride_sb
     kv_split = group // HEADS_PER_PROGRAM
-    if pid < n_tiles_n * kv_split:
-        tile_n = pid // kv_split
+    kv_programs = n_tiles_n * kv_split * (2 if DKDV_APART else 1)
+    if pid < kv_programs:
+        tile_pid = pid // 2 if DKDV_APART else pid
+        tile_n = tile_pid // kv_split
         if tile_n * BLOCK_N1 >= seqlen_k:  # packed: the grid covers the longest sequence
             return
-        part = pid % kv_split
-        _dkdv_program(
-            tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
-            off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
-            stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
-            stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            stride_lb, stride_lh, stride_dqb, stride_dqm, stride_dqh,
-            QNum, QIdx, FullQNum, FullQIdx,
-            stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-            stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-            mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
-            bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
-            bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
-            seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
-            qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
-            HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
-            DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ, DBIAS_PER_QHEAD,
-            EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK, DOT_PRECISION, ATOMIC_DQ,
-            LENGTH_RANGES, ROW_ORDER)
+        part = tile_pid % kv_split
+        # one copy per kind compiled: DKDV_APART's dV (kind 0) and dK (kind 1) programs
+        for kind in tl.static_range(2 if DKDV_APART else 1):
+            if (not DKDV_APART) or (pid % 2 == kind):
+                _dkdv_program(
+                    tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
+                    off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
+                    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob,
+                    stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                    stride_dvn, stride_dvh, stride_lb, stride_lh, stride_dqb, stride_dqm,
+                    stride_dqh,
+                    QNum, QIdx, FullQNum, FullQIdx,
+                    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+                    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+                    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
+                    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
+                    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
+                    bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
+                    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
+                    qk_scale_log2, softcap_inv_scaled, softcap_log2,
+                    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
+                    HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                    HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                    HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
+                    DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ,
+                    DBIAS_PER_QHEAD, EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK,
+                    DOT_PRECISION, ATOMIC_DQ, LENGTH_RANGES, ROW_ORDER,
+                    (not DKDV_APART) or kind == 1, (not DKDV_APART) or kind == 0)
     else:
-        work = pid - n_tiles_n * kv_split
+        work = pid - kv_programs
         tile_m = work % n_tiles_m
         if LONGEST_FIRST:
             tile_m = n_tiles_m - 1 - tile_m
@@ -885,7 +904,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         parts_shape = (*k.shape[:-2], num_heads_k * kv_split, head_dim)
         dk = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
-    n_programs = n_tiles_n * kv_split + (0 if atomic_dq else group * n_tiles_m)
+    n_programs = n_tiles_n * kv_split * (2 if cfg.dkdv_apart else 1) + \
+        (0 if atomic_dq else group * n_tiles_m)
     # causal: programs in tile order across heads, longest first (H200 backward kernel: GQA 32/8
     # 8k 4.91-4.92 -> 4.35-4.36 ms, causal 4k 0.898-0.900 -> 0.857-0.868). Dense keeps each
     # head's programs together (tile order: 1.63 -> 1.76 ms, fewer programs share K/V in L2).
@@ -920,7 +940,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         **BlockBits.kernel_flags(bits),
         DOT_PRECISION=KernelArgs.dot_precision(q.dtype), ATOMIC_DQ=atomic_dq,
         LENGTH_RANGES=row_lens is not None and schedule is None, ROW_ORDER=row_order is not None,
-        LONGEST_FIRST=longest_first, num_warps=num_warps, num_stages=num_stages,
+        LONGEST_FIRST=longest_first, DKDV_APART=cfg.dkdv_apart, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)

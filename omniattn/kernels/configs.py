@@ -27,7 +27,8 @@ class BwdTileConfig:
     """Backward tiles: dK/dV programs hold block_n1 keys and walk block_m1 query rows at a time;
     dQ programs hold block_m2 queries and walk block_n2 keys at a time. atomic_dq: unless the
     caller asks for determinism, the dK/dV programs add dQ into an fp32 buffer (atomics) and no
-    dQ programs run."""
+    dQ programs run. dkdv_apart: dV and dK of a key tile come from two programs (one fp32
+    accumulator each; the dK program recomputes S and P)."""
 
     block_m1: int
     block_n1: int
@@ -36,6 +37,7 @@ class BwdTileConfig:
     num_warps: int
     num_stages: int
     atomic_dq: bool = False
+    dkdv_apart: bool = False
 
 
 def interpreting() -> bool:
@@ -124,11 +126,13 @@ _BWD = {
     # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07. Top-k mask + key bias (2026-11-24): 1.28 ms (16
     # spills); 2 stages 1.47, (32, 128, 128, 64, 8, 3) 1.37, 64x64x4w 1.43, atomic dQ 1.32
     (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),
-    # D256, H100 backward call ms (profiler, 2026-11-23), dense / causal: 7.39-7.49 / 3.65-3.67;
-    # (64, 64, 64, 64, 8, 1) 10.76-10.93 / 8.81, (32, 32, 32, 32, 4, 1) 11.58 / 6.10, (64, 64, 64,
-    # 64, 8, 2) 7.88-7.93 / 4.42, (32, 32, 32, 64, 4, 2) 8.27 / 3.99-4.01, 3 stages 8.15 / 4.36-4.39
-    (256, False): BwdTileConfig(64, 32, 32, 64, 4, 2),
-    (256, True): BwdTileConfig(64, 32, 32, 64, 4, 2),
+    # D256, H100 backward kernel ms (profiler, B2 H16 4k, 2026-11-23), dense / causal: dV and dK
+    # programs apart, (32, 64, 64, 32, 4, 3) 4.94-5.03 / 3.65-3.71, (32, 128, 64, 32, 8, 3)
+    # 6.45-6.51 / 3.42; together (64, 32, 32, 64, 4, 2) 7.69-7.95 / 3.87-3.99 (dQ tiles (64, 32)
+    # there 10.2 / 5.5); apart with (32, 64) dQ tiles: (32, 64, 4, 3) 6.52-6.65 / 4.46-4.50,
+    # (32, 128, 8, 3) 6.86 / 3.71-3.80, (64, 32, 4, 2) 8.30-8.43 / 4.96-4.99, 8 warps >= 9.8
+    (256, False): BwdTileConfig(32, 64, 64, 32, 4, 3, dkdv_apart=True),
+    (256, True): BwdTileConfig(32, 128, 64, 32, 8, 3, dkdv_apart=True),
 }
 # element mask and/or bias (explicit mask schedules, bias loads), keyed by padded head dim; other
 # head dims use the masked entries above. H100, bf16, B2 H16 4k, causal top-k mask (52% tiles)
