@@ -127,12 +127,13 @@ _BWD = {
     # spills); 2 stages 1.47, (32, 128, 128, 64, 8, 3) 1.37, 64x64x4w 1.43, atomic dQ 1.32
     (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),
     # D256, H100 backward kernel ms (profiler, B2 H16 4k, 2026-11-23), dense / causal: dV and dK
-    # programs apart, (32, 64, 64, 32, 4, 3) 4.94-5.03 / 3.65-3.71, (32, 128, 64, 32, 8, 3)
-    # 6.45-6.51 / 3.42; together (64, 32, 32, 64, 4, 2) 7.69-7.95 / 3.87-3.99 (dQ tiles (64, 32)
-    # there 10.2 / 5.5); apart with (32, 64) dQ tiles: (32, 64, 4, 3) 6.52-6.65 / 4.46-4.50,
-    # (32, 128, 8, 3) 6.86 / 3.71-3.80, (64, 32, 4, 2) 8.30-8.43 / 4.96-4.99, 8 warps >= 9.8
+    # programs apart, (32, 64, 64, 32, 4, 3) 4.94-5.03 / 3.65-3.71; together (64, 32, 32, 64,
+    # 4, 2) 7.69-7.95 / 3.87-3.99 (dQ tiles (64, 32) there 10.2 / 5.5). Apart, (32, 128, 64,
+    # 32, 8, 3) 6.45-6.51 / 3.42 needs 234-312 KB of shared memory with ragged masked tiles or
+    # atomic dQ; with (32, 64) dQ tiles: (32, 64, 4, 3) 6.52-6.65 / 4.46-4.50, (64, 32, 4, 2)
+    # 8.30-8.43 / 4.96-4.99, 8 warps >= 9.8 dense
     (256, False): BwdTileConfig(32, 64, 64, 32, 4, 3, dkdv_apart=True),
-    (256, True): BwdTileConfig(32, 128, 64, 32, 8, 3, dkdv_apart=True),
+    (256, True): BwdTileConfig(32, 64, 64, 32, 4, 3, dkdv_apart=True),
 }
 # element mask and/or bias (explicit mask schedules, bias loads), keyed by padded head dim; other
 # head dims use the masked entries above. H100, bf16, B2 H16 4k, causal top-k mask (52% tiles)
