@@ -26,6 +26,12 @@ def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, devic
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
+def case_id(case) -> str:
+    """A parametrized case tuple as a test id: its fields joined by '-', dtypes without
+    'torch.'."""
+    return "-".join(str(x) for x in case).replace("torch.", "")
+
+
 def replace_backward_configs(monkeypatch, **changes) -> None:
     """Every bwd.py tile config (the tuned tables, fp32's, the interpreter's) with `changes`
     (BwdTileConfig fields) applied, for the test's duration."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
 from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask, RelativePredicate
 from test_schedule import expand_blocks, predicate
 
@@ -129,7 +129,7 @@ if GPU:
     CASES.append((1, 700, 900, 4, 2, 256, torch.bfloat16, (1, 4), 128, 0.4, True, None))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_attention_with_block_mask(case):
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, (mb, mh), block_size, density, \
         causal, window = case

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
 from omniattn.compat import (BlockMaskType, create_causal_block_mask, create_full_block_mask,
                              create_hybrid_block_mask, create_omni_block_mask,
                              omni_attention_forward)
@@ -73,7 +73,7 @@ if GPU:
               (128, 128), kind) for (b, sq, sk, h, hk, d, dt, _, kind) in CASES]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_omni_attention_forward_and_backward(case):
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, (block_m, block_n), kind = case
     if kind == "causal":

@@ -11,7 +11,8 @@ import itertools
 import pytest
 import torch
 
-from helpers import DEVICE, GPU, check_against_reference, random_qkv, replace_backward_configs
+from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
+                     replace_backward_configs)
 from omniattn.kernels import bwd_hopper, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
@@ -80,7 +81,7 @@ INTERPRETER_CASES = [
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(GPU, reason="interpreter cases run where there is no GPU")
-@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=case_id)
 def test_kernels_interpreter(case):
     check_case(*case)
 
@@ -116,7 +117,7 @@ def _gpu_matrix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("case", _gpu_matrix(), ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", _gpu_matrix(), ids=case_id)
 def test_kernels_gpu(case):
     check_case(*case)
 
@@ -135,7 +136,7 @@ def test_pointer_loads(monkeypatch, case):
 @pytest.mark.parametrize("case", [(2, 256, 512, 8, 2, 64, torch.bfloat16, "dense", 0.0),
                                   (2, 384, 256, 8, 8, 128, torch.float16, "dense", 0.0),
                                   (1, 1000, 2048, 4, 1, 128, torch.bfloat16, "dense", 0.0)],
-                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+                         ids=case_id)
 def test_tma_dense_tiles(case):
     """Dense launches of many full 128x128 tiles through tensor descriptors (outputs poisoned:
     a warp-specialised variant of this loop once left lse rows unwritten)."""
@@ -153,7 +154,7 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
-@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", GLUON_CASES, ids=case_id)
 def test_gluon_kernels(gluon_calls, case):
     """Multi-tile launches of the Gluon forward and backward (producer + two consumer
     warpgroups): ring wrap-around, masked tail tiles, rows that see no key, a consumer with fewer
@@ -218,7 +219,7 @@ if GPU:
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES,
-                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+                         ids=case_id)
 def test_atomic_and_deterministic_dq(monkeypatch, case, deterministic):
     """Every backward config set to add dQ with atomics: deterministic=True must still take the
     dQ programs, False the atomics (on the GPU most tuned configs use the dQ programs)."""
@@ -237,7 +238,7 @@ if GPU:
 
 @pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq_programs", "atomic_dq"])
 @pytest.mark.parametrize("case", APART_CASES,
-                         ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+                         ids=case_id)
 def test_dkdv_in_two_programs(monkeypatch, case, atomic_dq):
     """dV and dK of each key tile from two programs (BwdTileConfig.dkdv_apart): exact with the
     dQ programs and with the dK programs' atomic dQ, for GQA groups, softcap, windows."""

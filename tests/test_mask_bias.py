@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, check_against_reference, random_qkv, replace_backward_configs
+from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
+                     replace_backward_configs)
 from test_block_mask import element_visibility, random_block_mask
 
 
@@ -103,10 +104,6 @@ if GPU:
     # causal at head dim 256: the masked tiles of bwd.py's D256 config
     CASES.append((2, 300, 410, 4, 2, 256, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None,
                   0.0))
-
-
-def case_id(case):
-    return "-".join(str(x) for x in case).replace("torch.", "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
 from test_block_mask import random_block_mask
 from test_mask_bias import (exact_tile_states, nan_poisoned_memory,  # noqa: F401 (autouse fixture)
                             run_and_check)
@@ -61,10 +61,6 @@ if GPU:
              for (b, sq, sk, h, hk, d, dt, c, w, cap, flat) in CASES]
     CASES += [(*case[:6], torch.bfloat16, *case[7:]) for case in CASES
               if case[6] == torch.float16]
-
-
-def case_id(case):
-    return "-".join(str(x) for x in case).replace("torch.", "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, GPU, check_against_reference, random_qkv
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
 from omniattn.kernels.schedule import (FULL, HIDDEN, PARTIAL, Schedule, blocks_from_lists,
                                        coarsen_states)
 from test_kernels import run_kernels
@@ -56,7 +56,7 @@ if GPU:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_explicit_schedule(case, block):
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, (sb, sh), density, full_fraction, \
         causal, window = case
