@@ -7,8 +7,8 @@ import torch
 
 from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
-from .kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states, row_length_states,
-                                  states_schedule)
+from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
+                                  mask_tile_states, row_length_states, states_schedule)
 from .kernels.fwd_hopper import hopper_forward_candidate
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
 from .kernels.sequences import PackedSequences, batch_shape, length_order
@@ -222,7 +222,8 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     own tiles, and the kernel arguments whose predicate its PARTIAL tiles apply (attention's
     ANDed with the block mask's). Element-exact tile states (the mask's pre-pass, the lengths'
     min/max per tile) are computed once, at the finest tile any pass uses, and ANDed.
-    backward=False (no gradient will flow): lists built per call are built for the forward only.
+    backward=False (no gradient will flow): lists built per call are built for the forward only
+    (those of a mask spanning (Sq, Sk) alone by its pre-pass's launch).
     Element masks the Gluon forward takes (no block mask, lengths, packing or dropout) get
     forward lists at its tiles."""
     head_dim, num_heads = q.shape[-1], q.shape[-2]
@@ -261,15 +262,22 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
         # PARTIAL tiles apply attention's predicate ANDed with the mask's own
         args = KernelArgs(args.softmax_scale, args.softcap, merged.left, merged.right)
     fine_tile = fine_tile_of(*tiles)
+    # a mask spanning (Sq, Sk) alone, forward lists only: its pre-pass builds them
+    forward_lists_by_pre_pass = not backward and block_mask is None and row_lens is None \
+        and attn_mask is not None and Elementwise.spans_both(attn_mask)
     element_states = None  # (B|1, Hs, n|1, n|1) at fine_tile
-    if attn_mask is not None:
+    if attn_mask is not None and not forward_lists_by_pre_pass:
         element_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q,
                                           seqlen_k, *fine_tile, outer_args, packed)
     if row_lens is not None:
         by_length = row_length_states(row_lens, seqlen_q, seqlen_k, *fine_tile, packed)
         element_states = by_length if element_states is None \
             else torch.minimum(element_states, by_length)  # AND of states
-    if block_mask is None:
+    if forward_lists_by_pre_pass:
+        schedule = mask_forward_schedule(Elementwise.of(attn_mask, num_heads), fine_tile,
+                                         seqlen_q, seqlen_k, num_heads, outer_args, tiles[0],
+                                         packed)
+    elif block_mask is None:
         schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, num_heads,
                                    outer_args, *tiles, packed=packed, backward=backward)
     elif element_states is None and packed is None:

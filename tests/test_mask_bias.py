@@ -114,6 +114,33 @@ def test_mask_and_bias(case):
              bias_form, causal=causal, window=window, softcap=softcap)
 
 
+# cases whose mask spans (Sq, Sk): heads H / Hk, batch-broadcast, one query row
+SPANNING_MASK_CASES = [case for case in CASES if case[7] is not None and case[7][2:] == "qs"][:4]
+
+
+@pytest.mark.parametrize("case", SPANNING_MASK_CASES, ids=case_id)
+def test_mask_forward_without_grad(case):
+    """A call that records no graph builds its forward lists in the pre-pass's launch
+    (`mask_forward_schedule`): out and lse bitwise equal to those of the same call with
+    gradients (two launches, lists for every pass), which test_mask_and_bias checks against the
+    reference; rows that see no key included."""
+    (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype, bias_form,
+     causal, window, softcap) = case
+    generator = torch.Generator().manual_seed(seqlen_q + seqlen_k)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    dims = (batch, heads, heads_k, seqlen_q, seqlen_k)
+    mask = make_mask(elementwise_shape(mask_form, *dims), mask_dtype, generator)
+    mask[..., : min(3, seqlen_q), :] = 0  # rows that see no key
+    bias = None if bias_form is None else torch.randn(
+        elementwise_shape(bias_form, *dims), generator=generator).to(DEVICE, dtype)
+    kwargs = dict(attn_mask=mask, attn_bias=bias, causal=causal, window=window, softcap=softcap,
+                  return_lse=True)
+    out, lse = omniattn.attention(q.requires_grad_(), k, v, **kwargs)
+    with torch.no_grad():
+        out_without_grad, lse_without_grad = omniattn.attention(q, k, v, **kwargs)
+    assert torch.equal(out_without_grad, out) and torch.equal(lse_without_grad, lse)
+
+
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 5)], ids=case_id)
 def test_mask_and_bias_with_dkdv_in_two_programs(monkeypatch, case):
     """dK (and dbias: a full bias, a key bias, a bias per query row) from programs apart from
@@ -323,15 +350,22 @@ def exact_tile_states(visible: torch.Tensor, block_m: int, block_n: int) -> torc
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (20, 7))],
                          ids=["dense", "causal", "window"])
-@pytest.mark.parametrize("form", ["bhqs", "b11s", "1kq1"])
+@pytest.mark.parametrize("form", ["bhqs", "1kqs", "b11s", "1kq1"])
 @pytest.mark.parametrize("lengths", [(70, 90), (64, 96)], ids=["ragged", "even"])
-def test_mask_schedule_is_sound(form, causal, window, lengths):
+@pytest.mark.parametrize("one_launch, row_elements", [(False, 256), (True, 256), (True, 16)],
+                         ids=["two_launches", "one_launch", "one_launch_small_groups"])
+def test_mask_schedule_is_sound(monkeypatch, form, causal, window, lengths, one_launch,
+                                row_elements):
     """The device-built lists (pre-pass + list builder, tiles coarser than the pre-pass's): a
     listed FULL tile has every element visible, an unlisted tile none, and every tile whose
     elements are all visible is FULL (up to the ragged last tile of the listed dimension, which
-    the kernels treat as PARTIAL). Even lengths: the pre-pass reads whole tiles unmasked."""
-    from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_tile_states,
-                                              states_schedule)
+    the kernels treat as PARTIAL). Even lengths: the pre-pass reads whole tiles unmasked.
+    one_launch: `mask_forward_schedule`, whose pre-pass programs build the forward's lists
+    (masks spanning (Sq, Sk)), a row by the last of its programs (16 keys a program: several
+    tile groups per row)."""
+    from omniattn.kernels import elementwise
+    from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
+                                              mask_tile_states, states_schedule)
     from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
     from test_schedule import predicate
 
@@ -344,15 +378,25 @@ def test_mask_schedule_is_sound(form, causal, window, lengths):
         mask[..., :, 48:64] = False  # HIDDEN tiles
     args = KernelArgs.make(32, causal, window, None, 0.0)
     tiles = ((32, 16), (16, 32), (32, 32))
+    monkeypatch.setattr(elementwise, "MASK_ROW_ELEMENTS", row_elements)
     fine_tile = fine_tile_of(*tiles)  # the pre-pass reads the mask once, at the finest tile
-    fine = mask_tile_states(Elementwise.of(mask, heads), seqlen_q, seqlen_k, *fine_tile, args)
-    schedule = states_schedule(fine, fine_tile, seqlen_q, seqlen_k, heads, args, *tiles)
+    if one_launch:
+        if not Elementwise.spans_both(mask):
+            pytest.skip("one launch serves masks spanning (Sq, Sk)")
+        schedule = mask_forward_schedule(Elementwise.of(mask, heads), fine_tile, seqlen_q,
+                                         seqlen_k, heads, args, tiles[0])
+    else:
+        fine = mask_tile_states(Elementwise.of(mask, heads), seqlen_q, seqlen_k, *fine_tile,
+                                args)
+        schedule = states_schedule(fine, fine_tile, seqlen_q, seqlen_k, heads, args, *tiles)
     visible = mask.expand(batch, -1, seqlen_q, seqlen_k) & predicate(seqlen_q, seqlen_k, causal,
                                                                       window)
     if visible.shape[1] == heads_k:
         visible = visible.repeat_interleave(heads // heads_k, dim=1)
-    for lists, transposed in ((schedule.forward, False), (schedule.dq, False),
-                              (schedule.dkdv, True)):
+    passes = [(schedule.forward, False)]
+    if not one_launch:
+        passes += [(schedule.dq, False), (schedule.dkdv, True)]
+    for lists, transposed in passes:
         exact = exact_tile_states(visible, lists.block_m, lists.block_n)
         n_rows, n_cols = exact.shape[-2:] if not transposed else exact.shape[-2:][::-1]
         pictures = [blocks_from_lists(num, idx, n_cols).cpu()
