@@ -35,7 +35,7 @@ def case_id(case) -> str:
 def replace_backward_configs(monkeypatch, **changes) -> None:
     """Every bwd.py tile config (the tuned tables, fp32's, the interpreter's) with `changes`
     (BwdTileConfig fields) applied, for the test's duration."""
-    for table in (configs._BWD, configs._BWD_FULL_BIAS):
+    for table in (configs._BWD, configs._BWD_FULL_BIAS, configs._BWD_CAUSAL):
         for key, cfg in list(table.items()):
             monkeypatch.setitem(table, key, dataclasses.replace(cfg, **changes))
     for name in ("_FP32_BWD", "_INTERPRETER_BWD"):

@@ -783,8 +783,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     group = num_heads // num_heads_k
     block_d = padded_head_dim(head_dim)
     bits = schedule.bits if schedule is not None else None
+    causal_only = args.has_right and args.window_right == 0 and not args.has_left \
+        and args.softcap == 0 and schedule is None and bias is None and row_lens is None \
+        and packed is None and dropout[0] == 0
     cfg = backward_config(head_dim, q.dtype, masked=args.masked or schedule is not None,
-                          full_bias=bias is not None and bias.spans_queries_and_keys)
+                          full_bias=bias is not None and bias.spans_queries_and_keys,
+                          causal_only=causal_only)
     # dK/dV programs walk query tiles of block_m1 for a key tile of block_n1; dQ programs the
     # reverse with (block_m2, block_n2). Explicit schedules carry their own tiles.
     block_m1, block_n1, block_m2, block_n2 = cfg.block_m1, cfg.block_n1, cfg.block_m2, cfg.block_n2
