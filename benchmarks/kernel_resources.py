@@ -134,7 +134,9 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.bwd_tiles:
         tiles = configs.BwdTileConfig(*map(int, opts.bwd_tiles.split(",")))
-        configs._BWD[configs._key(opts.head_dim, opts.causal)] = tiles
+        key = configs._key(opts.head_dim, opts.causal)
+        configs._BWD[key] = tiles
+        configs._BWD_CAUSAL.pop(key[0], None)  # this tool's causal calls have no other mask
     # the forward takes tensor descriptors on Hopper; these CPU tensors would not say so
     fwd.tma_enabled = lambda device: True
     bwd_hopper.sm_count = lambda device: 132  # an H100's
