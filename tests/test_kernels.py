@@ -247,6 +247,43 @@ def test_dkdv_in_two_programs(monkeypatch, case, atomic_dq):
     check_case(*case)
 
 
+@pytest.mark.parametrize("options, causal_only", [
+    (dict(causal=True), True),
+    (dict(causal=True, window=(-1, 0)), True),
+    (dict(), False),
+    (dict(causal=True, softcap=5.0), False),
+    (dict(causal=True, window=(9, 0)), False),
+    (dict(window=(-1, 3)), False),
+    (dict(causal=True, attn_mask=True), False),
+    (dict(causal=True, attn_bias=True), False),
+    (dict(causal=True, dropout_p=0.2), False),
+    (dict(causal=True, seqlens_k_per_row=True), False),
+], ids=["causal", "causal_as_window", "dense", "softcap", "causal_left_window", "right_window",
+        "mask", "bias", "dropout", "row_lengths"])
+def test_causal_only_backward_tiles(monkeypatch, options, causal_only):
+    """Only calls whose sole mask is causal ask for `configs._BWD_CAUSAL`'s tiles (D256's need
+    more shared memory with any other mask, option or explicit schedule)."""
+    import omniattn
+    from omniattn.kernels import bwd
+
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("causal_only", False))
+        return configs.backward_config(*args, **kwargs)
+
+    monkeypatch.setattr(bwd, "backward_config", recording)
+    q, k, v = random_qkv(1, 19, 23, 2, 1, 16, torch.float16)
+    if options.pop("attn_mask", False):
+        options["attn_mask"] = torch.rand(1, 2, 19, 23, device=DEVICE) < 0.8
+    if options.pop("attn_bias", False):
+        options["attn_bias"] = torch.randn(1, 2, 1, 23, device=DEVICE, dtype=torch.float16)
+    if options.pop("seqlens_k_per_row", False):
+        options["seqlens_k_per_row"] = torch.full((1, 19), 20, device=DEVICE, dtype=torch.int32)
+    omniattn.attention(q, k, v, **options).sum().backward()
+    assert asked == [causal_only]
+
+
 def test_custom_scale():
     check_case(1, 20, 30, 2, 1, 32, torch.float16, "causal", softmax_scale=0.37)
 
