@@ -38,9 +38,11 @@ def make_mask(shape, dtype, generator, keep_fraction=0.7):
     return keep.to(dtype).to(DEVICE)
 
 
-def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
-             bias_form, causal=False, window=None, softcap=0.0, block_mask=None,
-             masked_rows=False, neg_inf_bias=False, bias_grad=True):
+def case_inputs(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
+                bias_form, masked_rows=False, neg_inf_bias=False, bias_grad=True):
+    """Seeded q, k, v (requiring grad), the mask and the bias (None where the form is None) of
+    a case: masked_rows hides every key from the first 3 rows, neg_inf_bias sets a fifth of the
+    bias to -inf."""
     generator = torch.Generator().manual_seed(seqlen_q * 31 + seqlen_k + heads_k)
     torch.manual_seed(seqlen_q + 7 * seqlen_k)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
@@ -55,6 +57,15 @@ def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_fo
         if neg_inf_bias:
             bias[torch.rand(bias.shape, generator=generator) < 0.2] = float("-inf")
         bias = bias.to(device=DEVICE, dtype=dtype).requires_grad_(bias_grad)
+    return q, k, v, mask, bias
+
+
+def run_case(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype,
+             bias_form, causal=False, window=None, softcap=0.0, block_mask=None,
+             masked_rows=False, neg_inf_bias=False, bias_grad=True):
+    q, k, v, mask, bias = case_inputs(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
+                                      mask_form, mask_dtype, bias_form, masked_rows,
+                                      neg_inf_bias, bias_grad)
     out, _, grads = run_and_check(q, k, v, attn_mask=mask, attn_bias=bias, block_mask=block_mask,
                                   causal=causal, window=window, softcap=softcap)
     return out, grads
@@ -124,18 +135,11 @@ def test_mask_forward_without_grad(case):
     (`mask_forward_schedule`): out and lse bitwise equal to those of the same call with
     gradients (two launches, lists for every pass), which test_mask_and_bias checks against the
     reference; rows that see no key included."""
-    (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask_form, mask_dtype, bias_form,
-     causal, window, softcap) = case
-    generator = torch.Generator().manual_seed(seqlen_q + seqlen_k)
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
-    dims = (batch, heads, heads_k, seqlen_q, seqlen_k)
-    mask = make_mask(elementwise_shape(mask_form, *dims), mask_dtype, generator)
-    mask[..., : min(3, seqlen_q), :] = 0  # rows that see no key
-    bias = None if bias_form is None else torch.randn(
-        elementwise_shape(bias_form, *dims), generator=generator).to(DEVICE, dtype)
+    *inputs, causal, window, softcap = case
+    q, k, v, mask, bias = case_inputs(*inputs, masked_rows=True, bias_grad=False)
     kwargs = dict(attn_mask=mask, attn_bias=bias, causal=causal, window=window, softcap=softcap,
                   return_lse=True)
-    out, lse = omniattn.attention(q.requires_grad_(), k, v, **kwargs)
+    out, lse = omniattn.attention(q, k, v, **kwargs)
     with torch.no_grad():
         out_without_grad, lse_without_grad = omniattn.attention(q, k, v, **kwargs)
     assert torch.equal(out_without_grad, out) and torch.equal(lse_without_grad, lse)

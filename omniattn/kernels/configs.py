@@ -44,6 +44,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -52,7 +56,7 @@ def _capability(index: int) -> tuple[int, int]:
 def compute_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device, asked once (torch's query was 5% of a launch's host
     time)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_device_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +66,7 @@ def _sm_count(index: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, asked once."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_device_index(device))
 
 
 def tma_enabled(device: torch.device) -> bool:
