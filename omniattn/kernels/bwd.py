@@ -20,6 +20,7 @@ from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_app
 from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
                       hopper_backward_config, next_power_of_2, padded_head_dim)
 from .elementwise import Elementwise
+from .launch import launch
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
                         lse_strides, packed_operands, placeholder, row_lens_operands, row_strides)
@@ -708,7 +709,7 @@ def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: 
     n_rows, n_cols = cdiv(seqlen_q, lists.block_m), cdiv(seqlen_k, lists.block_n)
     if transposed:
         n_rows, n_cols = n_cols, n_rows
-    _zero_unlisted_kernel[(n_rows * n_cols, batch * heads)](
+    launch(_zero_unlisted_kernel, (n_rows * n_cols, batch * heads),
         buffer, *strides, seqlen_q, seqlen_k, heads, n_cols,
         *lists.operands(),
         BLOCK_M=lists.block_m, BLOCK_N=lists.block_n, COLS=next_power_of_2(n_cols),
@@ -850,7 +851,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         order_operands = (placeholder(q.device), unused_rows, unused_rows,
                           placeholder(q.device, torch.float32))
         order_strides = (0,) * 7
-    _bwd_preprocess[(cdiv(stats_rows, 64), pre_batch * num_heads)](
+    launch(_bwd_preprocess, (cdiv(stats_rows, 64), pre_batch * num_heads),
         out, dout, delta, dlse if dlse is not None else delta, q, lse, *order_operands,
         lse_scaled if gluon else delta, dq_sum if gluon else delta,
         *row_strides(out), *row_strides(dout), *lse_strides(delta),
@@ -918,7 +919,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     grid = (batch * num_heads_k, n_programs) if longest_first \
         else (n_programs, batch * num_heads_k)
     even = packed is None
-    _bwd_kernel[grid](
+    launch(_bwd_kernel, grid,
         q, k, v, dout, lse, delta, dq_sum, dk, dv,
         *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
         *row_strides(dq_sum), *row_strides(dk), *row_strides(dv), *lse_strides(lse),
@@ -951,7 +952,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dq.copy_(dq_sum)
     if kv_split > 1:
         sum_batch, sum_rows = (1, k.shape[0]) if packed is not None else (batch, seqlen_k)
-        _sum_kv_parts[(cdiv(sum_rows, 64), sum_batch * num_heads_k)](
+        launch(_sum_kv_parts, (cdiv(sum_rows, 64), sum_batch * num_heads_k),
             dk, dv, dk_out, dv_out, *row_strides(dk), *row_strides(dk_out), *row_strides(dv_out),
             sum_rows, num_heads_k, kv_split, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64,
         )

@@ -30,6 +30,7 @@ from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
                          by_tma, flat_launch, hopper_forward_candidate, producer_tiles,
                          tensor_descriptor)
+from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -673,7 +674,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # H100, issue #4's full bias + top-k mask, backward kernel (profiler, 2 rounds): 1.976-1.990
     # ms with the bias loaded into the S^T layout (1032 B of spills), 1.490-1.512 by TMA (584)
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
-    _bwd_hopper_kernel[grid](
+    launch(_bwd_hopper_kernel, grid,
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
         _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),

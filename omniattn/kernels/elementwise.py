@@ -11,6 +11,7 @@ import triton.language as tl
 
 from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .configs import cdiv, next_power_of_2
+from .launch import launch
 from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
 from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
 
@@ -215,7 +216,7 @@ def mask_tile_states(mask: Elementwise, seqlen_q: int, seqlen_k: int, block_m: i
     sequence (B = sequences, tiles of the longest), (Sq, Sk) the longest lengths."""
     states, grid, operands, flags = _states_launch(mask, seqlen_q, seqlen_k, block_m, block_n,
                                                    args, packed)
-    _mask_states_kernel[grid](*operands, **flags, num_warps=MASK_NUM_WARPS)
+    launch(_mask_states_kernel, grid, *operands, **flags, num_warps=MASK_NUM_WARPS)
     return states
 
 
@@ -444,7 +445,7 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], passes: list[Pas
                       f"BLOCK_C_{i}": _list_chunk(n_cols)})
     # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
     stride_fm, stride_fn = broadcast_strides(fine)[2:]
-    _mask_lists_kernel[(sum(rows for rows, _ in shapes), batch * heads_out)](
+    launch(_mask_lists_kernel, (sum(rows for rows, _ in shapes), batch * heads_out),
         fine, stride_fb, fine.stride(1), stride_fm, stride_fn,
         n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
         lists, heads_out, heads_out // mask_heads, *packed_operands(packed, fine.device),
@@ -497,7 +498,7 @@ def mask_forward_schedule(mask: Elementwise, fine_tile: tuple[int, int], seqlen_
     (n_rows, n_cols), = shapes
     lists = torch.empty(total, dtype=torch.int32, device=states.device)
     arrivals = torch.zeros(batch * mask_heads * n_rows, dtype=torch.int32, device=states.device)
-    _mask_forward_lists_kernel[grid](
+    launch(_mask_forward_lists_kernel, grid,
         *operands, lists, arrivals, heads_out, heads_out // mask_heads, n_rows, n_cols, **flags,
         LIST_M=forward_tile[0], LIST_N=forward_tile[1], BLOCK_C=_list_chunk(n_cols),
         num_warps=MASK_NUM_WARPS)

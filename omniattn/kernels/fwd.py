@@ -12,6 +12,7 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, le
 from .configs import DROPOUT_MAX_STAGES, cdiv, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
 from .fwd_hopper import hopper_forward, hopper_forward_applies
+from .launch import launch
 from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, check_row_order, lse_shape, lse_strides,
                         packed_operands, row_lens_operands, row_strides, tma_compatible,
@@ -313,7 +314,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     with descriptor_workspace():
-        _fwd_kernel[(n_tiles_m, batch * num_heads)](
+        launch(_fwd_kernel, (n_tiles_m, batch * num_heads),
             q, k, v, out, lse,
             *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out), *lse_strides(lse),
             *sched,

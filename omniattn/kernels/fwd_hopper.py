@@ -24,6 +24,7 @@ from .common import load_pair_tile, schedule_rows
 from .configs import (cdiv, compute_capability, gluon_enabled, hopper_forward_config,
                       interpreting)
 from .elementwise import Elementwise
+from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import tma_compatible
 
@@ -629,7 +630,7 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     mask_tma = by_tma(mask, block_m, cfg.block_n, 1) if cfg.mask_buffers else None
     bias_tma = by_tma(bias, block_m, cfg.block_n, 2)
     q_desc = _descriptor(q, block_m, flat)
-    _fwd_hopper_kernel[(n_tiles_m, batch * num_heads)](
+    launch(_fwd_hopper_kernel, (n_tiles_m, batch * num_heads),
         q_desc, _descriptor(k, cfg.block_n, flat),
         _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0),
         lse.stride(1), *lists,

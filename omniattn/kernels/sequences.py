@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from .configs import cdiv, interpreting
+from .launch import launch
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def length_order(row_lens: torch.Tensor, seqlen_k: int,
     lengths = torch.empty_like(order)
     if order.numel():
         block, chunk, num_warps = (16, 16, 1) if interpreting() else RANK_TILE
-        _length_rank_kernel[(cdiv(seqlen_q, block), batch)](
+        launch(_length_rank_kernel, (cdiv(seqlen_q, block), batch),
             row_lens, row_lens.stride(0), order, lengths, seqlen_q, seqlen_k,
             BLOCK=block, CHUNK=chunk, num_warps=num_warps)
     return order, lengths

@@ -1,0 +1,112 @@
+"""Kernel launches with Triton's per-launch host work cut to one dictionary lookup.
+
+`kernel[grid](*args)` binds and specialises every argument in Python (JITFunction.run: the
+binder, the cache key, the launch metadata) before the compiled launcher runs: 55-65 us per
+launch on an H100 host, of which the launcher is 17-21 (benchmarks/NOTES.md). `launch` keys the
+compiled kernel on a tuple finer than Triton's specialisation (every scalar by value, every
+tensor by dtype and 16-byte alignment, every descriptor by all its fields), so a hit is the
+kernel Triton itself would pick, and calls its launcher directly.
+"""
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .configs import interpreting
+
+_PLAIN = frozenset((int, float, bool, type(None), str, torch.dtype))
+_DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
+# a kernel's entries beyond this are dropped (calls whose scalars change every time, such as
+# dropout seeds, would otherwise grow the cache without end)
+MAX_ENTRIES_PER_KERNEL = 256
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _other_key(value):
+    """Key of an argument that is neither a plain scalar nor a plain tensor."""
+    if isinstance(value, torch.Tensor):  # subclasses (nn.Parameter)
+        return (type(value), value.dtype, value.data_ptr() & 15)
+    if isinstance(value, _DESCRIPTORS):
+        base = value.base
+        return (type(value), base.dtype, base.data_ptr() & 15, tuple(value.shape),
+                tuple(value.strides), tuple(value.block_shape), value.padding,
+                getattr(value, "layout", None))
+    try:
+        hash(value)
+    except TypeError:
+        raise _Uncacheable from None
+    return value
+
+
+def arguments_key(values) -> tuple:
+    """A tuple that tells apart every two argument lists Triton would specialise differently
+    (it is finer: scalars by value). Raises _Uncacheable for an unhashable argument."""
+    return tuple([(value.dtype, value.data_ptr() & 15) if type(value) is torch.Tensor
+                  else value if type(value) in _PLAIN else _other_key(value)
+                  for value in values])
+
+
+def _tail(kernel, args: tuple, kwargs: dict) -> tuple | None:
+    """The parameters after the positional ones in signature order (keywords, then defaults),
+    as the launcher takes them; None when one is a tensor (it would change between calls)."""
+    tail = []
+    for param in kernel.params[len(args):]:
+        value = kwargs[param.name] if param.name in kwargs else param.default
+        if isinstance(value, (torch.Tensor,) + _DESCRIPTORS):
+            return None
+        tail.append(value)
+    return tuple(tail)
+
+
+def _no_hook(hook) -> bool:
+    """Triton 3.6's launch hooks are chains, empty unless a profiler (proton) adds to them."""
+    return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
+
+
+_compiled: dict[int, dict[tuple, tuple]] = {}
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), through the compiled kernel of an earlier launch with the
+    same key when there is one. The first launch of a key (and every launch under the
+    interpreter or with a launch hook, as profilers add) goes through Triton."""
+    if interpreting() or not (_no_hook(knobs.runtime.launch_enter_hook)
+                              and _no_hook(knobs.runtime.launch_exit_hook)):
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    try:
+        # the two knobs Triton's run adds to the compile options
+        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               arguments_key(args), tuple(kwargs), arguments_key(kwargs.values()))
+    except _Uncacheable:
+        kernel[grid](*args, **kwargs)
+        return
+    entries = _compiled.setdefault(id(kernel), {})
+    entry = entries.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        tail = _tail(kernel, args, kwargs)
+        if compiled is not None and tail is not None:
+            if len(entries) >= MAX_ENTRIES_PER_KERNEL:
+                entries.clear()
+            entries[key] = (compiled, tail)
+        return
+    compiled, tail = entry
+    # Triton refuses a kernel whose module globals changed since it compiled: so do we
+    for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
+        if globals_dict.get(name, _Uncacheable) != value:
+            kernel[grid](*args, **kwargs)  # raises Triton's error
+            return
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 *tail)
