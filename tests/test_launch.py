@@ -107,3 +107,17 @@ def test_launches_reuse_only_matching_kernels(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert names == ["_scaled_copy_kernel"] and len(runs) == len(cases) + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_cache_keeps_the_newest_entries(monkeypatch):
+    """Scalars that change every launch (dropout seeds) miss every time: the oldest entries
+    go, results stay right."""
+    monkeypatch.setattr(launch_module, "_compiled", {})
+    monkeypatch.setattr(launch_module, "MAX_ENTRIES_PER_KERNEL", 3)
+    src = torch.randn(300, device="cuda")
+    for scale in (1.0, 2.0, 3.0, 4.0, 5.0, 4.0):
+        torch.testing.assert_close(_run_copy(src, 300, scale), src * scale)
+    entries = launch_module._compiled[id(_scaled_copy_kernel)]
+    assert [key[3][3] for key in entries] == [3.0, 4.0, 5.0]

@@ -19,8 +19,8 @@ from .configs import interpreting
 
 _PLAIN = frozenset((int, float, bool, type(None), str, torch.dtype))
 _DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
-# a kernel's entries beyond this are dropped (calls whose scalars change every time, such as
-# dropout seeds, would otherwise grow the cache without end)
+# a kernel's oldest entry goes beyond this: calls whose scalars change every time (dropout
+# seeds) miss, and would otherwise grow the cache without end
 MAX_ENTRIES_PER_KERNEL = 256
 
 
@@ -97,7 +97,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         tail = _tail(kernel, args, kwargs)
         if compiled is not None and tail is not None:
             if len(entries) >= MAX_ENTRIES_PER_KERNEL:
-                entries.clear()
+                del entries[next(iter(entries))]
             entries[key] = (compiled, tail)
         return
     compiled, tail = entry
