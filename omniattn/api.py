@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from . import call_plans
 from .autograd import triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
@@ -390,6 +391,25 @@ def attention(
         draws, 8 per Philox call); the CPU reference path draws from torch.rand, so the two
         backends drop different elements.
     """
+    if block_mask is None and seqlens_k_per_row is None and cu_seqlens_q is None \
+            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None \
+            and isinstance(dropout_p, (int, float)) and dropout_p == 0:
+        inputs = (q, k, v, attn_mask, attn_bias)
+        key = call_plans.signature(inputs, (causal, window, softmax_scale, softcap,
+                                            deterministic, return_lse, check_inputs))
+        if key is not None:
+            return call_plans.run(key, inputs, lambda: _attention(
+                q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, None,
+                None, None, None, None, None, dropout_p, deterministic, return_lse, check_inputs))
+    return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
+                      block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, dropout_p, deterministic, return_lse, check_inputs)
+
+
+def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
+               seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               dropout_p, deterministic, return_lse, check_inputs):
+    """`attention` past its call plans (arguments in its order)."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_qkv(q, k, v, packed_layout)
     _check_options(causal, window, softmax_scale, softcap, dropout_p)

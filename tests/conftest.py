@@ -19,3 +19,14 @@ def gluon_calls(monkeypatch) -> list:
     monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
     monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _fresh_call_plans():
+    """Every test starts without call plans: a plan recorded under another test's patched
+    configs or kernels would replay them."""
+    from omniattn import call_plans
+
+    call_plans.clear()
+    yield
+    call_plans.clear()

@@ -9,6 +9,9 @@ kernel Triton itself would pick, and calls its launcher directly.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from triton import knobs
 from triton.runtime import driver
@@ -69,17 +72,61 @@ def _no_hook(hook) -> bool:
     return hook is None or (isinstance(hook, knobs.HookChain) and not hook.calls)
 
 
+def hooks_empty() -> bool:
+    return _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)
+
+
 _compiled: dict[int, dict[tuple, tuple]] = {}
+_recording = threading.local()
+
+
+def recording() -> list | None:
+    """The launches being recorded on this thread (`record_launches`), or None."""
+    return getattr(_recording, "launches", None)
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collects this thread's launches as (compiled kernel, 3-d grid, arguments, tail), None for
+    a launch that went past the cache (call_plans cannot replay those)."""
+    _recording.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _recording.launches = None
+
+
+def _grid_3d(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through the compiled kernel of an earlier launch with the
     same key when there is one. The first launch of a key (and every launch under the
     interpreter or with a launch hook, as profilers add) goes through Triton."""
-    if interpreting() or not (_no_hook(knobs.runtime.launch_enter_hook)
-                              and _no_hook(knobs.runtime.launch_exit_hook)):
-        kernel[grid](*args, **kwargs)
+    launches = recording()
+    if launches is None:
+        _launch(kernel, grid, args, kwargs)
         return
+    _recording.inside = True
+    try:
+        launches.append(_launch(kernel, grid, args, kwargs))
+    finally:
+        _recording.inside = False
+
+
+def inside_launch() -> bool:
+    """Whether this thread is inside a recorded launch (whose launcher may allocate a workspace
+    of its own: not part of the call)."""
+    return getattr(_recording, "inside", False)
+
+
+def _launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict) -> tuple | None:
+    """(compiled kernel, 3-d grid, arguments, tail) of a launch made or cached through the
+    compiled kernel; None for one Triton's run made alone."""
+    if interpreting() or not hooks_empty():
+        kernel[grid](*args, **kwargs)
+        return None
     device = torch.cuda.current_device()
     try:
         # the two knobs Triton's run adds to the compile options
@@ -87,7 +134,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
                arguments_key(args), tuple(kwargs), arguments_key(kwargs.values()))
     except _Uncacheable:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     entries = _compiled.setdefault(id(kernel), {})
     entry = entries.get(key)
     if entry is None:
@@ -95,18 +142,19 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         if hasattr(compiled, "result"):
             compiled = compiled.result()
         tail = _tail(kernel, args, kwargs)
-        if compiled is not None and tail is not None:
-            if len(entries) >= MAX_ENTRIES_PER_KERNEL:
-                del entries[next(iter(entries))]
-            entries[key] = (compiled, tail)
-        return
+        if compiled is None or tail is None:
+            return None
+        if len(entries) >= MAX_ENTRIES_PER_KERNEL:
+            del entries[next(iter(entries))]
+        entries[key] = (compiled, tail)
+        return compiled, _grid_3d(grid), args, tail
     compiled, tail = entry
     # Triton refuses a kernel whose module globals changed since it compiled: so do we
     for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
         if globals_dict.get(name, _Uncacheable) != value:
             kernel[grid](*args, **kwargs)  # raises Triton's error
-            return
-    stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                 *tail)
+            return None
+    grid = _grid_3d(grid)
+    compiled.run(*grid, driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *tail)
+    return compiled, grid, args, tail

@@ -1,0 +1,134 @@
+"""Call plans: a replayed call gives what the call itself gives, bit for bit, and only calls
+with the recorded signature replay."""
+import pytest
+import torch
+from triton import knobs
+
+import omniattn
+from omniattn import api, call_plans
+
+GPU = torch.cuda.is_available()
+
+
+def _inputs(seqlen, heads, heads_k, head_dim, dtype=torch.bfloat16, mask=None, bias=None):
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    q, k, v = randn(2, seqlen, heads, head_dim), randn(2, seqlen, heads_k, head_dim), \
+        randn(2, seqlen, heads_k, head_dim)
+    extra = {}
+    if mask is not None:
+        extra["attn_mask"] = torch.rand(*mask(seqlen), device="cuda") > 0.4
+    if bias is not None:
+        extra["attn_bias"] = randn(*bias(seqlen))
+    return q, k, v, extra
+
+
+CASES = {
+    "causal": dict(heads=4, heads_k=4, head_dim=128, options=dict(causal=True)),
+    "gqa_window_lse": dict(heads=4, heads_k=2, head_dim=64,
+                           options=dict(window=(40, 7), return_lse=True)),
+    "softcap_d256": dict(heads=2, heads_k=2, head_dim=256, options=dict(softcap=20.0)),
+    "mask_key_bias": dict(heads=4, heads_k=4, head_dim=128, options=dict(causal=True),
+                          mask=lambda s: (2, 4, s, s), bias=lambda s: (2, 4, 1, s)),
+    "mask_full_bias_lse": dict(heads=4, heads_k=2, head_dim=128,
+                               options=dict(return_lse=True), mask=lambda s: (2, 1, s, s),
+                               bias=lambda s: (2, 4, s, s)),
+    "query_mask": dict(heads=2, heads_k=2, head_dim=64, options={}, mask=lambda s: (2, 1, s, 1)),
+}
+
+
+def _replays(monkeypatch) -> list:
+    """Records each call's path: 'plan' where a plan replayed it."""
+    paths = []
+    replay = call_plans._Plan.replay
+    monkeypatch.setattr(call_plans._Plan, "replay",
+                        lambda self, inputs: paths.append("plan") or replay(self, inputs))
+    return paths
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("seqlen", [113, 256])
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_replayed_calls_match_the_calls(monkeypatch, name, seqlen):
+    case = CASES[name]
+    paths = _replays(monkeypatch)
+    for call in range(5):
+        q, k, v, extra = _inputs(seqlen, case["heads"], case["heads_k"], case["head_dim"],
+                                 mask=case.get("mask"), bias=case.get("bias"))
+        with torch.no_grad():
+            got = omniattn.attention(q, k, v, **case["options"], **extra)
+        expected = api._attention(q, k, v, case["options"].get("causal", False),
+                                  case["options"].get("window"), None,
+                                  case["options"].get("softcap", 0.0), extra.get("attn_mask"),
+                                  extra.get("attn_bias"), None, None, None, None, None, None, 0.0,
+                                  False, case["options"].get("return_lse", False), True)
+        for g, e in zip(got if isinstance(got, tuple) else (got,),
+                        expected if isinstance(expected, tuple) else (expected,)):
+            assert torch.equal(g, e), (name, call)
+        # the first call runs, the second is recorded, the later ones replay
+        assert paths == ["plan"] * max(call - 1, 0), (name, call)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_plans_follow_storage_sharing_and_alignment(monkeypatch):
+    """q, k, v as views of one projection replay with another projection's views; separate
+    tensors, or a misaligned q, are other signatures."""
+    paths = _replays(monkeypatch)
+
+    def packed():
+        qkv = torch.randn(1, 200, 3, 2, 64, device="cuda", dtype=torch.float16)
+        return qkv.unbind(2)
+
+    def call(q, k, v):
+        with torch.no_grad():
+            out = omniattn.attention(q, k, v, causal=True)
+        expected = api._attention(q, k, v, True, None, None, 0.0, None, None, None, None, None,
+                                  None, None, None, 0.0, False, False, True)
+        assert torch.equal(out, expected)
+
+    for _ in range(3):
+        call(*packed())
+    assert paths == ["plan"]
+    separate = [t.clone() for t in packed()]  # same shapes, other strides and storages
+    for _ in range(3):
+        call(*separate)
+    assert paths == ["plan"] * 2
+    storage = torch.randn(200 * 2 * 64 + 1, device="cuda", dtype=torch.float16)
+    misaligned = storage[1:].view(1, 200, 2, 64)
+    for _ in range(3):
+        call(misaligned, separate[1], separate[2])
+    assert paths == ["plan"] * 3
+    assert len([p for p in call_plans._plans.values() if isinstance(p, call_plans._Plan)]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
+    paths = _replays(monkeypatch)
+    q, k, v, _ = _inputs(128, 2, 2, 64)
+    q.requires_grad_()
+    for _ in range(3):
+        omniattn.attention(q, k, v).sum().backward()  # a graph: never planned
+    with torch.no_grad():
+        for _ in range(3):
+            omniattn.attention(q, k, v)
+    assert paths == ["plan"]
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        with torch.no_grad():
+            omniattn.attention(q, k, v)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert paths == ["plan"] and names, names
+
+
+def test_no_signature_off_the_gpu():
+    """CPU tensors (the reference path, or the kernels under the interpreter) are never
+    planned."""
+    q = torch.randn(1, 16, 2, 16)
+    assert call_plans.signature((q, q, q, None, None), (False,)) is None
