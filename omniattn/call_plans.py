@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .kernels import launch as launch_module
-from .kernels.configs import gluon_enabled, interpreting
+from .kernels.configs import gluon_enabled, interpreting, tma_enabled
 from .kernels.sequences import descriptor_workspace
 
 aten = torch.ops.aten
@@ -40,6 +40,14 @@ def _tensor_key(t: torch.Tensor | None):
     if t is None:
         return None
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def _typed(value):
+    """value with the type of every element beside it: True and 1 (which hash alike) apart, as
+    validation tells them apart."""
+    if type(value) is tuple:
+        return tuple(_typed(element) for element in value)
+    return type(value), value
 
 
 def signature(inputs: tuple, options: tuple) -> tuple | None:
@@ -64,8 +72,10 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
         first = storages.setdefault(base, (len(sharing), t.data_ptr()))
         sharing.append((first[0], t.data_ptr() - first[1]))
     try:
-        key = (torch.cuda.current_device(), gluon_enabled(), launch_module.knobs.runtime.debug,
-               tuple(sharing), tuple(_tensor_key(t) for t in inputs), options)
+        key = (torch.cuda.current_device(), gluon_enabled(), tma_enabled(inputs[0].device),
+               launch_module.knobs.runtime.debug, tuple(sharing),
+               tuple(_tensor_key(t) for t in inputs),
+               _typed(options))
         hash(key)
     except TypeError:  # an option of a type validation will refuse
         return None
@@ -138,14 +148,17 @@ class _Plan:
 
     def _templates(self, args: tuple) -> tuple[list, list, list]:
         """(fixed arguments, [(position, location)] of tensor pointers, [(position, location of
-        the base, descriptor)] of tensor descriptors)."""
+        the base, (type, fields but the base, base dtype))] of tensor descriptors)."""
         fixed, pointers, descriptors = list(args), [], []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
                 pointers.append((position, self.locate(arg)))
                 fixed[position] = None
             elif isinstance(arg, launch_module._DESCRIPTORS):
-                descriptors.append((position, self.locate(arg.base), arg))
+                # its fields but the base: the plan keeps no tensor of the recorded call alive
+                fields = {name: value for name, value in vars(arg).items() if name != "base"}
+                descriptors.append((position, self.locate(arg.base),
+                                    (type(arg), fields, arg.base.dtype)))
                 fixed[position] = None
         return fixed, pointers, descriptors
 
@@ -172,11 +185,10 @@ class _Plan:
             args = list(fixed)
             for position, location in pointers:
                 args[position] = _pointer(location, inputs, allocations)
-            for position, location, descriptor in descriptors:
-                rebuilt = object.__new__(type(descriptor))
-                rebuilt.__dict__.update(descriptor.__dict__)
-                rebuilt.base = _Base(_pointer(location, inputs, allocations),
-                                     descriptor.base.dtype)
+            for position, location, (descriptor_type, fields, dtype) in descriptors:
+                rebuilt = object.__new__(descriptor_type)
+                vars(rebuilt).update(fields)
+                rebuilt.base = _Base(_pointer(location, inputs, allocations), dtype)
                 args[position] = rebuilt
             compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None,
                          None, *args, *tail)

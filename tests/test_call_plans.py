@@ -1,5 +1,8 @@
 """Call plans: a replayed call gives what the call itself gives, bit for bit, and only calls
 with the recorded signature replay."""
+import gc
+import weakref
+
 import pytest
 import torch
 from triton import knobs
@@ -127,8 +130,125 @@ def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
     assert paths == ["plan"] and names, names
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_plans_keep_no_tensor_of_their_calls_alive():
+    refs = []
+    for _ in range(4):
+        q, k, v, extra = _inputs(256, 2, 2, 128, mask=lambda s: (2, 2, s, s),
+                                 bias=lambda s: (2, 2, 1, s))
+        with torch.no_grad():
+            out = omniattn.attention(q, k, v, causal=True, **extra)
+        refs += [weakref.ref(t) for t in (q, k, v, out, *extra.values())]
+        del q, k, v, extra, out
+    gc.collect()
+    assert any(isinstance(p, call_plans._Plan) for p in call_plans._plans.values())
+    assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_a_plan_never_skips_validation():
+    """Options that hash alike (True and 1) are other signatures: validation still refuses."""
+    q, k, v, _ = _inputs(64, 2, 2, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            omniattn.attention(q, k, v, causal=True, window=(1, 0))
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            omniattn.attention(q, k, v, causal=1, window=(1, 0))
+        with pytest.raises(TypeError, match="window must be"):
+            omniattn.attention(q, k, v, causal=True, window=(True, 0))
+
+
 def test_no_signature_off_the_gpu():
     """CPU tensors (the reference path, or the kernels under the interpreter) are never
     planned."""
     q = torch.randn(1, 16, 2, 16)
     assert call_plans.signature((q, q, q, None, None), (False,)) is None
+
+
+class _FakeKernel:
+    """Stands for a JITFunction: its compiled kernel's launcher records the arguments it gets
+    (tensors as data pointers), so the test runs without a GPU."""
+
+    class _Param:
+        def __init__(self, name, default=None):
+            self.name, self.default = name, default
+
+    params = [_Param("src"), _Param("dst"), _Param("counts"), _Param("n"), _Param("BLOCK", 16)]
+    used_global_vals = {}
+
+    def __init__(self):
+        self.launched = []
+        kernel = self
+
+        class Compiled:
+            function = packed_metadata = None
+
+            def run(self, *args):
+                kernel.launched.append([a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                        for a in args[9:]])
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append([a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                  for a in args] + [kwargs.get("BLOCK", 16)])
+            return self.compiled
+        return launch
+
+
+def test_recorded_launches_point_into_each_calls_tensors(monkeypatch):
+    """Record (second call) and replay (later calls) on the CPU with a stand-in kernel: every
+    pointer a replay passes is the one the call itself would pass, at the same offsets into
+    its inputs and its own (fresh, zeroed where the call zeroed) buffers."""
+    import types
+
+    from omniattn.kernels import launch as launch_module
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_stream=lambda device: 0)))
+    monkeypatch.setattr(launch_module, "_compiled", {})
+    kernel = _FakeKernel()
+    buffers = []
+
+    def call(x):
+        out = torch.empty_like(x)
+        counts = torch.zeros(4, dtype=torch.int32)
+        buffers.append((out, counts))
+        launch_module.launch(kernel, (2,), x[1:], out.view(-1)[2:], counts, 7, BLOCK=32)
+        return out
+
+    def expected(x, out, counts):
+        return [x.data_ptr() + 4, out.data_ptr() + 8, counts.data_ptr(), 7, 32]
+
+    for i in range(5):
+        x = torch.randn(10)
+        out = call_plans.run(("key",), (x,), lambda: call(x))
+        if i < 2:  # the call itself: the first through Triton's run, the second recorded
+            assert kernel.launched[-1] == expected(x, *buffers[-1])
+        else:
+            assert isinstance(call_plans._plans[("key",)], call_plans._Plan)
+            counts_pointer = kernel.launched[-1][2]
+            assert kernel.launched[-1] == [x.data_ptr() + 4, out.data_ptr() + 8,
+                                           counts_pointer, 7, 32]
+            assert out.shape == x.shape and len(buffers) == 2  # call() did not run
+    plan = call_plans._plans[("key",)]
+    assert [zeroed for *_, zeroed in plan.allocations] == [False, True]
+
+
+def test_calls_that_compute_with_torch_are_not_replayed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = []
+
+    def call(x):
+        calls.append(1)
+        return x + 1
+
+    x = torch.randn(3)
+    for _ in range(4):
+        torch.testing.assert_close(call_plans.run(("sum",), (x,), lambda: call(x)), x + 1)
+    assert len(calls) == 4 and call_plans._plans[("sum",)] is call_plans._NOT_REPLAYABLE
