@@ -6,13 +6,17 @@ the options. A plan records, on the second call of a signature, what the call di
 its allocations (empty or zeroed) and its launches, each tensor argument located in an input,
 an allocation of the call or a tensor cached outside it. Later calls with the signature replay
 it: the allocations, then each compiled kernel's launcher with the new pointers (H100 host,
-top-k mask + key bias forward: ~110-170 us per call against 280-490; benchmarks/NOTES.md).
+top-k mask + key bias forward, B1 S512 H2: 134-143 us per call against 342-392; causal D64
+forward 52-62 against 149-162; benchmarks/NOTES.md). Calls with block masks, per-row lengths,
+packed sequences or dropout (whose host work reads values or draws a seed) are not planned.
 
 A call is recorded under a TorchDispatchMode that lets through only allocations and views: a
 call that computes anything else with torch, or launches a kernel past `kernels.launch`'s cache,
 is marked as not replayable and keeps the ordinary path.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +33,11 @@ _ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
 MAX_PLANS = 128
 _SEEN, _NOT_REPLAYABLE = object(), object()
 _plans: dict[tuple, object] = {}
+
+
+def plans_enabled() -> bool:
+    """OMNIATTN_CALL_PLANS=0 runs every call through the ordinary path (the A/B switch)."""
+    return os.environ.get("OMNIATTN_CALL_PLANS", "1") != "0"
 
 
 def clear() -> None:
@@ -56,7 +65,7 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
     (views of one qkv projection), the options and the switches that change the path. None for
     other calls."""
     if interpreting() or torch.compiler.is_compiling() \
-            or torch._C._are_functorch_transforms_active():
+            or torch._C._are_functorch_transforms_active() or not plans_enabled():
         return None
     storages = {}
     sharing = []

@@ -128,6 +128,11 @@ def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert paths == ["plan"] and names, names
+    monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+    with torch.no_grad():
+        for _ in range(3):
+            omniattn.attention(k, q, v)  # a new signature (q requires grad), never planned
+    assert paths == ["plan"]
 
 
 @pytest.mark.gpu
