@@ -131,7 +131,7 @@ def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
     monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
     with torch.no_grad():
         for _ in range(3):
-            omniattn.attention(k, q, v)  # a new signature (q requires grad), never planned
+            omniattn.attention(q, k, v)  # the planned signature, now run as it is
     assert paths == ["plan"]
 
 
