@@ -20,6 +20,7 @@ import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton import knobs
 
 from .kernels import launch as launch_module
 from .kernels.configs import gluon_enabled, interpreting, tma_enabled
@@ -82,7 +83,7 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
         sharing.append((first[0], t.data_ptr() - first[1]))
     try:
         key = (torch.cuda.current_device(), gluon_enabled(), tma_enabled(inputs[0].device),
-               launch_module.knobs.runtime.debug, tuple(sharing),
+               knobs.runtime.debug, tuple(sharing),
                tuple(_tensor_key(t) for t in inputs),
                _typed(options))
         hash(key)
@@ -125,7 +126,7 @@ class _Base:
 
 
 class _Plan:
-    """Allocations, then launches with each tensor argument located (see `_locate`)."""
+    """Allocations, then launches with each tensor argument located (see `locate`)."""
 
     def __init__(self, recorder: _Recorder, inputs: tuple, launches: list):
         self.keep_alive = []  # tensors cached outside the call that launches point into

@@ -27,8 +27,10 @@ def test_key_tells_apart_what_triton_specialises():
     key = arguments_key((aligned, 17, 0.5, None))
     assert key == arguments_key((storage[8:40], 17, 0.5, None))  # 16 bytes apart: same kernel
     for other in ((misaligned, 17, 0.5, None), (aligned.float(), 17, 0.5, None),
-                  (aligned, 1, 0.5, None), (aligned, 16, 0.5, None), (aligned, 17, 0.5, aligned)):
+                  (aligned, 1, 0.5, None), (aligned, 16, 0.5, None), (aligned, 17, 0.5, aligned),
+                  (aligned, 17.0, 0.5, None), (aligned, 17, 0.5, False)):
         assert arguments_key(other) != key, other
+    assert arguments_key((True,)) != arguments_key((1,)) != arguments_key((1.0,))
     parameter = torch.nn.Parameter(aligned.clone())
     assert arguments_key((parameter,)) != arguments_key((parameter.detach(),))
 
@@ -120,4 +122,4 @@ def test_cache_keeps_the_newest_entries(monkeypatch):
     for scale in (1.0, 2.0, 3.0, 4.0, 5.0, 4.0):
         torch.testing.assert_close(_run_copy(src, 300, scale), src * scale)
     entries = launch_module._compiled[id(_scaled_copy_kernel)]
-    assert [key[3][3] for key in entries] == [3.0, 4.0, 5.0]
+    assert [key[3][1][3] for key in entries] == [3.0, 4.0, 5.0]

@@ -49,10 +49,11 @@ def _other_key(value):
 
 def arguments_key(values) -> tuple:
     """A tuple that tells apart every two argument lists Triton would specialise differently
-    (it is finer: scalars by value). Raises _Uncacheable for an unhashable argument."""
-    return tuple([(value.dtype, value.data_ptr() & 15) if type(value) is torch.Tensor
-                  else value if type(value) in _PLAIN else _other_key(value)
-                  for value in values])
+    (it is finer: scalars by type and value, so True, 1 and 1.0 differ). Raises _Uncacheable
+    for an unhashable argument."""
+    return tuple(map(type, values)), tuple([
+        (value.dtype, value.data_ptr() & 15) if type(value) is torch.Tensor
+        else value if type(value) in _PLAIN else _other_key(value) for value in values])
 
 
 def _tail(kernel, args: tuple, kwargs: dict) -> tuple | None:
