@@ -213,6 +213,7 @@ def test_recorded_launches_point_into_each_calls_tensors(monkeypatch):
     from omniattn.kernels import launch as launch_module
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_module, "driver", types.SimpleNamespace(
         active=types.SimpleNamespace(get_current_stream=lambda device: 0)))

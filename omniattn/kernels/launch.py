@@ -125,7 +125,8 @@ def inside_launch() -> bool:
 def _launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict) -> tuple | None:
     """(compiled kernel, 3-d grid, arguments, tail) of a launch made or cached through the
     compiled kernel; None for one Triton's run made alone."""
-    if interpreting() or not hooks_empty():
+    # without CUDA (the interpreter, or tools that compile in place of each launch): Triton's run
+    if interpreting() or not torch.cuda.is_available() or not hooks_empty():
         kernel[grid](*args, **kwargs)
         return None
     device = torch.cuda.current_device()
