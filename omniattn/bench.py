@@ -25,7 +25,7 @@ import triton
 
 import omniattn
 from omniattn.api import groups_rows_by_length
-from omniattn.kernels.configs import forward_config, interpreting
+from omniattn.kernels.configs import forward_config, interpreting, switches
 
 MODES = ("fwd", "fwd+bwd")
 SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows")
@@ -722,6 +722,7 @@ def environment_info() -> dict:
         "cuda": torch.version.cuda if cuda else None,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "triton_interpret": interpreting(),
+        "switches": switches(),
         "omniattn": omniattn.__version__,
         "git_commit": _git_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

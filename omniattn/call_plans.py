@@ -16,14 +16,12 @@ is marked as not replayable and keeps the ordinary path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 
 from .kernels import launch as launch_module
-from .kernels.configs import gluon_enabled, interpreting, tma_enabled
+from .kernels.configs import gluon_enabled, interpreting, switch_on, tma_enabled
 from .kernels.sequences import descriptor_workspace
 
 aten = torch.ops.aten
@@ -38,7 +36,7 @@ _plans: dict[tuple, object] = {}
 
 def plans_enabled() -> bool:
     """OMNIATTN_CALL_PLANS=0 runs every call through the ordinary path (the A/B switch)."""
-    return os.environ.get("OMNIATTN_CALL_PLANS", "1") != "0"
+    return switch_on("OMNIATTN_CALL_PLANS")
 
 
 def clear() -> None:

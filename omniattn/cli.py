@@ -15,7 +15,7 @@ import triton
 import omniattn
 from omniattn.bench import (MODES, PROVIDERS, SUITES, default_workloads, device_name,
                             format_table, load_records, plot_results, run_suite, write_json)
-from omniattn.kernels.configs import interpreting
+from omniattn.kernels.configs import interpreting, switches
 from omniattn.reference import attention_reference
 
 
@@ -174,6 +174,8 @@ def run_info(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         print(f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
     print(f"TRITON_INTERPRET: {os.environ.get('TRITON_INTERPRET', 'not set')}")
+    print("switches: " + ", ".join(f"{name} {'on' if on else 'off'}"
+                                   for name, on in switches().items()))
     print("backends:")
     print(f"  omniattn on {device.type}: {_omniattn_path(device)}")
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,

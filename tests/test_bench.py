@@ -454,3 +454,16 @@ def test_cli_bench_suite_option(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     assert cli.main(["bench", "--suite", "gqa", "--plot", "out.png"]) == 0
     assert "plots need matplotlib" in capsys.readouterr().out
+
+
+def test_info_and_records_carry_the_switches(monkeypatch, capsys):
+    from omniattn import cli
+
+    for name in ("OMNIATTN_GLUON", "OMNIATTN_TMA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+    assert bench.environment_info()["switches"] == {
+        "OMNIATTN_GLUON": True, "OMNIATTN_TMA": True, "OMNIATTN_CALL_PLANS": False}
+    assert cli.main(["info"]) == 0
+    assert "switches: OMNIATTN_GLUON on, OMNIATTN_TMA on, OMNIATTN_CALL_PLANS off" \
+        in capsys.readouterr().out

@@ -72,17 +72,30 @@ def sm_count(device: torch.device) -> int:
 def tma_enabled(device: torch.device) -> bool:
     """K/V tiles through tensor descriptors (TMA on sm90+; the interpreter emulates them).
     OMNIATTN_TMA=0 turns them off (the pointer path stays tested)."""
-    if os.environ.get("OMNIATTN_TMA", "1") == "0":
+    if not switch_on("OMNIATTN_TMA"):
         return False
     if interpreting():
         return True
     return device.type == "cuda" and compute_capability(device)[0] >= 9
 
 
+# environment switches of A/B runs and tests: "0" turns the feature off (see each user)
+SWITCHES = ("OMNIATTN_GLUON", "OMNIATTN_TMA", "OMNIATTN_CALL_PLANS")
+
+
+def switch_on(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def switches() -> dict[str, bool]:
+    """Each environment switch: whether its feature is on (what benchmark records carry)."""
+    return {name: switch_on(name) for name in SWITCHES}
+
+
 def gluon_enabled() -> bool:
     """The Gluon kernels (fwd_hopper.py, bwd_hopper.py) where they apply; OMNIATTN_GLUON=0 keeps
     every call on fwd.py / bwd.py (the A/B switch of the GPU tests and benchmarks)."""
-    return os.environ.get("OMNIATTN_GLUON", "1") != "0"
+    return switch_on("OMNIATTN_GLUON")
 
 
 _INTERPRETER = TileConfig(16, 16, 1, 1)
