@@ -391,6 +391,12 @@ def attention(
         draws, 8 per Philox call); the CPU reference path draws from torch.rand, so the two
         backends drop different elements.
     """
+    def call():
+        return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
+                          block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
+                          check_inputs)
+
     if block_mask is None and seqlens_k_per_row is None and cu_seqlens_q is None \
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
@@ -398,12 +404,8 @@ def attention(
         key = call_plans.signature(inputs, (causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, check_inputs))
         if key is not None:
-            return call_plans.run(key, inputs, lambda: _attention(
-                q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, None,
-                None, None, None, None, None, dropout_p, deterministic, return_lse, check_inputs))
-    return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
-                      block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, dropout_p, deterministic, return_lse, check_inputs)
+            return call_plans.run(key, inputs, call)
+    return call()
 
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
