@@ -6,7 +6,7 @@ import math
 import torch
 
 from . import call_plans
-from .autograd import triton_attention
+from .autograd import attention_with_graph, forward_parts, kernel_inputs, triton_attention
 from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                   mask_tile_states, row_length_states, states_schedule)
@@ -391,27 +391,41 @@ def attention(
         draws, 8 per Philox call); the CPU reference path draws from torch.rand, so the two
         backends drop different elements.
     """
-    def call():
+    def call(graph_parts: bool = False):
         return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
                           block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          check_inputs)
+                          check_inputs, graph_parts)
 
     if block_mask is None and seqlens_k_per_row is None and cu_seqlens_q is None \
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
         inputs = (q, k, v, attn_mask, attn_bias)
-        key = call_plans.signature(inputs, (causal, window, softmax_scale, softcap,
+        graph = _records_graph(q, k, v, attn_bias)
+        key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, check_inputs))
-        if key is not None:
+        if key is not None and not graph:
             return call_plans.run(key, inputs, call)
+        if key is not None:
+            # the forward's work (validation and schedule included) planned inside the Function
+            out, lse = attention_with_graph(q, k, v, attn_mask, attn_bias,
+                                            lambda: call_plans.run(key, inputs,
+                                                                   lambda: call(True)))
+            return (out, lse) if return_lse else out
     return call()
+
+
+def _records_graph(q, k, v, attn_bias) -> bool:
+    """Whether the call records a graph (inputs not yet validated)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v, attn_bias))
 
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               dropout_p, deterministic, return_lse, check_inputs):
-    """`attention` past its call plans (arguments in its order)."""
+               dropout_p, deterministic, return_lse, check_inputs, graph_parts=False):
+    """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
+    call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_qkv(q, k, v, packed_layout)
     _check_options(causal, window, softmax_scale, softcap, dropout_p)
@@ -450,8 +464,7 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
         explicit_lengths = seqlens_k_per_row is not None and row_order is None
         if (block_mask is not None or attn_mask is not None or explicit_lengths) \
                 and q.numel() and k.numel():
-            needs_grad = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, attn_bias))
+            needs_grad = graph_parts or _records_graph(q, k, v, attn_bias)
             schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
                                                 seqlens_k_per_row, packed, backward=needs_grad,
                                                 dropout=dropout_p > 0)
@@ -460,9 +473,11 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
         seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
         # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
         kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
-        out, lse = triton_attention(q, k, v, args, schedule, attn_mask, attn_bias,
-                                    seqlens_k_per_row, packed, (kernel_p, seed), deterministic,
-                                    row_order)
+        inputs = kernel_inputs(q, k, v, args, schedule, attn_mask, attn_bias, seqlens_k_per_row,
+                               packed, (kernel_p, seed), deterministic, row_order)
+        if graph_parts:
+            return forward_parts(inputs)
+        out, lse = triton_attention(inputs)
     else:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),

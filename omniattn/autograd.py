@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import call_plans
 from .kernels.bwd import attention_backward
 from .kernels.elementwise import Elementwise
 from .kernels.fwd import attention_forward
@@ -132,38 +133,71 @@ class _EagerAttention(torch.autograd.Function):
     costs host time in every layer it crosses (H100 host, causal 4k fwd+bwd: 1.49 -> 0.95 ms
     per call without it; the kernels run 1.26 ms), so short calls became host-bound. The context
     comes into forward (no setup_context): with one, every apply binds the arguments through
-    inspect.signature."""
+    inspect.signature. forward() gives (out, lse, the implementations' inputs): the call's own
+    work, schedule included, or its call plan's replay (call_plans); the backward too replays
+    a plan where its signature has one."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, attn_mask, attn_bias, forward):
+        out, lse, inputs = forward()
+        _setup_context(ctx, inputs, (out, lse))
         ctx.set_materialize_grads(False)  # an unused lse costs no zero gradient
-        return output
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:  # only lse reached the loss
             dout = torch.zeros_like(ctx.saved_tensors[3])
-        dq, dk, dv, dbias = _gradients(ctx, dout, dlse, _backward_impl)
-        return (dq, dk, dv, None, dbias) + (None,) * 15
+        dq, dk, dv, dbias = _gradients(ctx, dout, dlse, _planned_backward)
+        return dq, dk, dv, None, dbias, None
 
 
-def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
-                     attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
-                     row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                     dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
-                     row_order: torch.Tensor | None = None):
-    """Differentiable kernel attention: returns (out, lse); attn_bias gets a gradient too.
-    dropout: (p, seed); the backward pass regenerates the same keep decisions from the seed.
-    deterministic: the backward pass without atomics (bitwise-identical gradients).
-    row_order: the length order of per-row key lengths alone (see attention_forward)."""
+def _planned_backward(*arguments):
+    """_backward_impl(*arguments), replayed from a call plan where there is one: its host work
+    depends only on the signature of its tensors and scalars, dropout's seed aside."""
+    tensors = (*arguments[:13], *arguments[22])  # dout ... cu_seqlens_k, the schedule's
+    dropout_p = arguments[20]
+    key = None
+    if dropout_p == 0 and not torch.is_grad_enabled():  # no double backward
+        key = call_plans.signature(tensors, ("backward", *arguments[13:22],
+                                             tuple(arguments[23]), arguments[24]))
+    if key is None:
+        return _backward_impl(*arguments)
+    return call_plans.run(key, tensors, lambda: _backward_impl(*arguments))
+
+
+def kernel_inputs(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
+                  attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
+                  row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
+                  dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
+                  row_order: torch.Tensor | None = None) -> tuple:
+    """The arguments of the forward implementation (and custom op) for a call."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
-    inputs = (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q, max_k,
-              args.softmax_scale, args.softcap, args.window_left, args.window_right, *dropout,
-              tensors, tiles, deterministic)
+    return (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q, max_k,
+            args.softmax_scale, args.softcap, args.window_left, args.window_right, *dropout,
+            tensors, tiles, deterministic)
+
+
+def forward_parts(inputs: tuple) -> tuple:
+    """(out, lse, inputs): what attention_with_graph's forward gives, from kernel_inputs."""
+    return (*_forward_impl(*inputs), inputs)
+
+
+def attention_with_graph(q, k, v, attn_mask, attn_bias, forward) -> tuple:
+    """(out, lse) with a graph to (q, k, v, attn_bias), for an eager call on plain tensors;
+    forward() runs with no graph recorded and gives forward_parts."""
+    return _EagerAttention.apply(q, k, v, attn_mask, attn_bias, forward)
+
+
+def triton_attention(inputs: tuple):
+    """Differentiable kernel attention from kernel_inputs: returns (out, lse); attn_bias gets
+    a gradient too. dropout: (p, seed); the backward pass regenerates the same keep decisions
+    from the seed. deterministic: the backward pass without atomics (bitwise-identical
+    gradients). row_order: the length order of per-row key lengths alone (see
+    attention_forward)."""
+    q, k, v, attn_mask, attn_bias = inputs[:5]
     # traced graphs, fake and subclassed tensors and functorch transforms need the ops (their
     # fake implementations and dispatch); plain eager calls skip the dispatcher
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor \
@@ -174,4 +208,4 @@ def triton_attention(q, k, v, args: KernelArgs, schedule: Schedule | None = None
         # no graph to record: the Function's apply and context were 13% of a masked forward's
         # Python (CPU, launches mocked: 233 -> 203 us)
         return _forward_impl(*inputs)
-    return _EagerAttention.apply(*inputs)
+    return attention_with_graph(q, k, v, attn_mask, attn_bias, lambda: forward_parts(inputs))

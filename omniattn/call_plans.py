@@ -1,18 +1,21 @@
-"""Call plans: forward calls that record no graph, replayed per call signature.
+"""Call plans: calls replayed per call signature, past their Python.
 
 The Python of a call (validation, tile configs, schedule views, descriptors, launch arguments)
 depends only on its signature: the inputs' shapes, strides, dtypes, devices and alignment, and
 the options. A plan records, on the second call of a signature, what the call did on the device:
-its allocations (empty or zeroed) and its launches, each tensor argument located in an input,
-an allocation of the call or a tensor cached outside it. Later calls with the signature replay
-it: the allocations, then each compiled kernel's launcher with the new pointers (H100 host,
-top-k mask + key bias forward, B1 S512 H2: 134-143 us per call against 342-392; causal D64
-forward 52-62 against 149-162; benchmarks/NOTES.md). Calls with block masks, per-row lengths,
-packed sequences or dropout (whose host work reads values or draws a seed) are not planned.
+its allocations (empty or zeroed), its launches and the few torch operations a replay may repeat
+(copies, fills, sums, casts), each tensor located in an input, a tensor the call created or a
+tensor cached outside it. Later calls with the signature replay it: the allocations and
+operations, and each compiled kernel's launcher with the new pointers (H100 host, top-k mask +
+key bias forward, B1 S512 H2: 134-143 us per call against 342-392; causal D64 forward 52-62
+against 149-162; benchmarks/NOTES.md). The forward of a call that records a graph and its
+backward are planned apart, each inside the autograd Function (autograd.py).
 
-A call is recorded under a TorchDispatchMode that lets through only allocations and views: a
-call that computes anything else with torch, or launches a kernel past `kernels.launch`'s cache,
-is marked as not replayable and keeps the ordinary path.
+A call is recorded under a TorchDispatchMode that lets through only allocations, views and those
+operations: a call that computes anything else with torch (reading a value on the host
+included), or launches a kernel past `kernels.launch`'s cache, is marked as not replayable and
+keeps the ordinary path. Callers leave out calls whose host work draws random numbers
+(dropout seeds).
 """
 from __future__ import annotations
 
@@ -28,9 +31,17 @@ aten = torch.ops.aten
 _EMPTY = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
           aten.empty_strided.default}
 _ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+# operations whose result depends only on their operands' values: replayed as recorded
+_REPLAYED = {aten.copy_.default, aten.zero_.default, aten.sum.dim_IntList,
+             aten._to_copy.default}
+_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
+              torch.memory_format)
 # plans kept; the oldest goes first
 MAX_PLANS = 128
 _SEEN, _NOT_REPLAYABLE = object(), object()
+_ALLOCATE, _OPERATE, _LAUNCH = range(3)  # the kinds of a plan's steps
+_INPUT, _CREATED, _OUTSIDE = range(3)  # where a tensor of a recorded call lies
+_COPIED = "copied"  # the layout of a list or dict of constants: a copy per replay
 _plans: dict[tuple, object] = {}
 
 
@@ -59,10 +70,10 @@ def _typed(value):
 
 
 def signature(inputs: tuple, options: tuple) -> tuple | None:
-    """The key of an eager call that records no graph, every input a plain tensor on a GPU:
+    """The key of an eager call whose inputs (tensors or None) are plain tensors on a GPU:
     shapes, strides, dtypes, devices, 16-byte alignment, which inputs share a storage and where
-    (views of one qkv projection), the options and the switches that change the path. None for
-    other calls."""
+    (views of one qkv projection), the options (which must also say whether the call records
+    a graph) and the switches that change the path. None for other calls."""
     if interpreting() or torch.compiler.is_compiling() \
             or torch._C._are_functorch_transforms_active() or not plans_enabled():
         return None
@@ -73,8 +84,6 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
             sharing.append(None)
             continue
         if type(t) is not torch.Tensor or not t.is_cuda:
-            return None
-        if t.requires_grad and torch.is_grad_enabled():  # a graph to record
             return None
         base = t.untyped_storage().data_ptr()
         first = storages.setdefault(base, (len(sharing), t.data_ptr()))
@@ -91,22 +100,30 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
 
 
 class _Recorder(TorchDispatchMode):
-    """Allocations (zeroed or not) in call order; any other torch computation spoils the plan."""
+    """The call's allocations (zeroed or not) and replayable operations in call order, each
+    with the number of launches before it; any other torch computation spoils the plan."""
 
-    def __init__(self):
+    def __init__(self, launches: list):
         super().__init__()
-        self.events: list[tuple] = []
-        self.allocations: list[torch.Tensor] = []
+        self.launches = launches
+        self.events: list[tuple] = []  # (launches before, _ALLOCATE or _OPERATE, details)
+        self.created: list[torch.Tensor] = []  # allocations and operations' new results
         self.replayable = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if launch_module.inside_launch():  # a launcher's own workspace
             return out
         if func in _EMPTY or func in _ZEROS:
-            self.events.append((tuple(out.shape), out.stride(), out.dtype, out.device,
-                                func in _ZEROS))
-            self.allocations.append(out)
+            self.events.append((len(self.launches), _ALLOCATE, (
+                tuple(out.shape), out.stride(), out.dtype, out.device, func in _ZEROS)))
+            self.created.append(out)
+        elif func in _REPLAYED:
+            creates = not any(out is arg for arg in args)  # not in place
+            self.events.append((len(self.launches), _OPERATE, (func, args, kwargs, creates)))
+            if creates:
+                self.created.append(out)
         elif not func.is_view:
             self.replayable = False
         return out
@@ -123,40 +140,58 @@ class _Base:
         return self.pointer
 
 
-class _Plan:
-    """Allocations, then launches with each tensor argument located (see `locate`)."""
+class _Unplannable(Exception):
+    """Something of the recorded call a replay could not rebuild."""
 
-    def __init__(self, recorder: _Recorder, inputs: tuple, launches: list):
+
+class _Plan:
+    """The call's steps in order: allocations, operations and launches, each tensor located
+    (see `locate` and `_layout`), and the layout of its result."""
+
+    def __init__(self, recorder: _Recorder, inputs: tuple, launches: list, result):
         self.keep_alive = []  # tensors cached outside the call that launches point into
-        self._inputs, self._allocations = inputs, recorder.allocations
-        self._owners = {t.untyped_storage().data_ptr(): ("alloc", i)
-                        for i, t in enumerate(recorder.allocations)}
+        self._inputs, self._created = inputs, recorder.created
+        self._owners = {t.untyped_storage().data_ptr(): (_CREATED, i)
+                        for i, t in enumerate(recorder.created)}
         for i, t in reversed(list(enumerate(inputs))):  # the first input of a shared storage
             if t is not None:
-                self._owners[t.untyped_storage().data_ptr()] = ("input", i)
-        self.allocations = recorder.events  # (shape, strides, dtype, device, zeroed)
-        self.launches = [(compiled, grid, *self._templates(args), tail)
-                         for compiled, grid, args, tail in launches]
+                self._owners[t.untyped_storage().data_ptr()] = (_INPUT, i)
+        self.steps = []
+        launched = 0
+        for before, kind, details in recorder.events:
+            self.steps.extend(self._launch_step(*entry) for entry in launches[launched:before])
+            launched = before
+            if kind == _ALLOCATE:
+                self.steps.append((_ALLOCATE, *details))
+            else:
+                func, args, kwargs, creates = details
+                self.steps.append((_OPERATE, func, self._layout(args), self._layout(kwargs),
+                                   creates))
+        self.steps.extend(self._launch_step(*entry) for entry in launches[launched:])
+        self.result = self._layout(result, outputs=True)
+        del self._inputs, self._created, self._owners
+
+    def _owner(self, t: torch.Tensor) -> tuple:
+        """(where, index, the input or created tensor whose storage t is in), or (_OUTSIDE,
+        None, None) for a tensor cached outside the call (kept alive by the plan)."""
+        where, index = self._owners.get(t.untyped_storage().data_ptr(), (_OUTSIDE, None))
+        if where == _OUTSIDE:
+            self.keep_alive.append(t)
+            return where, None, None
+        return where, index, self._inputs[index] if where == _INPUT else self._created[index]
 
     def locate(self, t: torch.Tensor) -> tuple:
-        """(kind, index, where) of a tensor: at a byte offset from an input's data pointer, an
-        allocation of the call itself or a view of one (storage offset, shape, strides, dtype),
-        or a tensor cached outside the call (kept alive, its pointer fixed)."""
-        kind, index = self._owners.get(t.untyped_storage().data_ptr(), ("pointer", None))
-        if kind == "input":
-            return (kind, index, t.data_ptr() - self._inputs[index].data_ptr())
-        if kind == "pointer":
-            self.keep_alive.append(t)
-            return (kind, t.data_ptr(), None)
-        base = self._allocations[index]
-        if (t.data_ptr(), t.shape, t.stride(), t.dtype) == \
-                (base.data_ptr(), base.shape, base.stride(), base.dtype):
-            return ("alloc", index, None)
-        return ("alloc_view", index, (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
+        """(where, index, byte offset from its owner's data pointer), or (_OUTSIDE, the
+        pointer, None)."""
+        where, index, owner = self._owner(t)
+        if where == _OUTSIDE:
+            return where, t.data_ptr(), None
+        return where, index, t.data_ptr() - owner.data_ptr()
 
-    def _templates(self, args: tuple) -> tuple[list, list, list]:
-        """(fixed arguments, [(position, location)] of tensor pointers, [(position, location of
-        the base, (type, fields but the base, base dtype))] of tensor descriptors)."""
+    def _launch_step(self, compiled, grid, args, tail) -> tuple:
+        """(_LAUNCH, compiled, grid, fixed arguments, [(position, location)] of tensor
+        pointers, [(position, location of the base, (type, fields but the base, base dtype))]
+        of tensor descriptors, tail)."""
         fixed, pointers, descriptors = list(args), [], []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
@@ -168,84 +203,127 @@ class _Plan:
                 descriptors.append((position, self.locate(arg.base),
                                     (type(arg), fields, arg.base.dtype)))
                 fixed[position] = None
-        return fixed, pointers, descriptors
+        return (_LAUNCH, compiled, grid, fixed, pointers, descriptors, tail)
 
-    def finish(self, outputs: tuple) -> bool:
-        """Locates the call's outputs; False where one is not an allocation of the call (or a
-        view of one in its dtype)."""
-        self.outputs = tuple(self.locate(t) for t in outputs)
-        del self._inputs, self._allocations, self._owners
-        return all(kind == "alloc" or (kind == "alloc_view" and where[3] == self.allocations[
-            index][2]) for kind, index, where in self.outputs)
+    def _layout(self, value, outputs: bool = False):
+        """How a replay rebuilds `value` (operation arguments, or the call's result): tensors
+        as inputs, tensors the call created or views of either; lists, tuples and dicts of
+        them; constants. Raises _Unplannable for anything else (a result in a tensor cached
+        outside the call included: each call must get its own)."""
+        if isinstance(value, torch.Tensor):
+            return (torch.Tensor, self._tensor_layout(value, outputs))
+        if type(value) in (tuple, list, dict):
+            items = value.items() if type(value) is dict else enumerate(value)
+            layouts = {where: self._layout(v, outputs) for where, v in items}
+            if all(kind is None for kind, _ in layouts.values()):  # constants: copied whole
+                return (None, value) if type(value) is tuple else (_COPIED, value)
+            if type(value) is dict:
+                return (dict, layouts)
+            return (type(value), list(layouts.values()))
+        if isinstance(value, _CONSTANTS):
+            return (None, value)
+        raise _Unplannable(type(value).__name__)
 
-    def replay(self, inputs: tuple) -> tuple:
-        allocations = []
-        for shape, stride, dtype, device, zero in self.allocations:
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            allocations.append(t.zero_() if zero else t)
+    def _tensor_layout(self, t: torch.Tensor, output: bool) -> tuple:
+        """(where, index, None) for an input or created tensor itself, (where, index, (storage
+        offset from the owner's, shape, strides)) for a view of one, (_OUTSIDE, t, None)."""
+        if output and t.untyped_storage().data_ptr() not in self._owners:
+            raise _Unplannable("a result in a tensor from outside the call")
+        where, index, owner = self._owner(t)
+        if where == _OUTSIDE:
+            return where, t, None
+        if t is owner:
+            return where, index, None
+        if t.dtype != owner.dtype:
+            raise _Unplannable("a view in another dtype")
+        return where, index, (t.storage_offset() - owner.storage_offset(), tuple(t.shape),
+                              t.stride())
+
+    def replay(self, inputs: tuple):
+        created = []
         stream = launch_module.driver.active.get_current_stream(torch.cuda.current_device())
         with descriptor_workspace():
-            self._launch(inputs, allocations, stream)
-        return tuple(_output(location, allocations) for location in self.outputs)
-
-    def _launch(self, inputs: tuple, allocations: list, stream: int) -> None:
-        for compiled, grid, fixed, pointers, descriptors, tail in self.launches:
-            args = list(fixed)
-            for position, location in pointers:
-                args[position] = _pointer(location, inputs, allocations)
-            for position, location, (descriptor_type, fields, dtype) in descriptors:
-                rebuilt = object.__new__(descriptor_type)
-                vars(rebuilt).update(fields)
-                rebuilt.base = _Base(_pointer(location, inputs, allocations), dtype)
-                args[position] = rebuilt
-            compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *args, *tail)
-
-
-def _pointer(location: tuple, inputs: tuple, allocations: list) -> int:
-    kind, index, where = location
-    if kind == "input":
-        return inputs[index].data_ptr() + where
-    if kind == "alloc":
-        return allocations[index].data_ptr()
-    if kind == "alloc_view":
-        return allocations[index].data_ptr() + where[0] * where[3].itemsize
-    return index
+            for step in self.steps:
+                kind = step[0]
+                if kind == _LAUNCH:
+                    _launch(step, inputs, created, stream)
+                elif kind == _ALLOCATE:
+                    _, shape, stride, dtype, device, zero = step
+                    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                    created.append(t.zero_() if zero else t)
+                else:
+                    _, func, args, kwargs, creates = step
+                    out = func(*_rebuilt(args, inputs, created),
+                               **_rebuilt(kwargs, inputs, created))
+                    if creates:
+                        created.append(out)
+        return _rebuilt(self.result, inputs, created)
 
 
-def _output(location: tuple, allocations: list) -> torch.Tensor:
-    kind, index, where = location
-    if kind == "alloc":
-        return allocations[index]
-    storage_offset, shape, stride, _ = where
-    return allocations[index].as_strided(shape, stride, storage_offset)
+def _launch(step: tuple, inputs: tuple, created: list, stream: int) -> None:
+    _, compiled, grid, fixed, pointers, descriptors, tail = step
+    args = list(fixed)
+    for position, location in pointers:
+        args[position] = _pointer(location, inputs, created)
+    for position, location, (descriptor_type, fields, dtype) in descriptors:
+        rebuilt = object.__new__(descriptor_type)
+        vars(rebuilt).update(fields)
+        rebuilt.base = _Base(_pointer(location, inputs, created), dtype)
+        args[position] = rebuilt
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
+
+
+def _pointer(location: tuple, inputs: tuple, created: list) -> int:
+    where, index, offset = location
+    if where == _OUTSIDE:
+        return index
+    return (inputs[index] if where == _INPUT else created[index]).data_ptr() + offset
+
+
+def _rebuilt(layout: tuple, inputs: tuple, created: list):
+    kind, value = layout
+    if kind is torch.Tensor:
+        where, index, view = value
+        if where == _OUTSIDE:
+            return index
+        owner = inputs[index] if where == _INPUT else created[index]
+        if view is None:
+            return owner
+        offset, shape, stride = view
+        return owner.as_strided(shape, stride, owner.storage_offset() + offset)
+    if kind is None:
+        return value
+    if kind is _COPIED:
+        return value.copy()
+    if kind is dict:
+        return {name: _rebuilt(v, inputs, created) for name, v in value.items()}
+    return kind(_rebuilt(v, inputs, created) for v in value)
 
 
 def run(key: tuple, inputs: tuple, call):
-    """call() (which returns a tensor or a tuple of tensors), replayed from the plan of `key`
-    when there is one. The first call of a key runs as it is (it compiles kernels and fills
-    lazy caches); the second is recorded."""
+    """call() (which returns tensors, constants, and lists, tuples or dicts of them), replayed
+    from the plan of `key` when there is one. The first call of a key runs as it is (it
+    compiles kernels and fills lazy caches); the second is recorded."""
     plan = _plans.get(key)
     if isinstance(plan, _Plan):
         if launch_module.hooks_empty():  # a profiler's hooks see every launch
-            out = plan.replay(inputs)
-            return out if len(out) > 1 else out[0]
+            return plan.replay(inputs)
         return call()
     if plan is None:
         _remember(key, _SEEN)
         return call()
     if plan is _NOT_REPLAYABLE or launch_module.recording() is not None:
         return call()
-    recorder = _Recorder()
-    with launch_module.record_launches() as launches, recorder:
+    with launch_module.record_launches() as launches, _Recorder(launches) as recorder:
         result = call()
-    outputs = result if isinstance(result, tuple) else (result,)
-    plan = None
+    plan = _NOT_REPLAYABLE
     if recorder.replayable and None not in launches:
-        plan = _Plan(recorder, inputs, launches)
-        if not plan.finish(outputs):
-            plan = None
-    _remember(key, plan if plan is not None else _NOT_REPLAYABLE)
+        try:
+            plan = _Plan(recorder, inputs, launches, result)
+        except _Unplannable:
+            pass
+    _remember(key, plan)
     return result
 
 

@@ -107,14 +107,74 @@ def test_plans_follow_storage_sharing_and_alignment(monkeypatch):
     assert len([p for p in call_plans._plans.values() if isinstance(p, call_plans._Plan)]) == 3
 
 
+TRAINING_CASES = {
+    **CASES,
+    "gqa_shared_full_bias": dict(heads=4, heads_k=2, head_dim=64, options={},
+                                 bias=lambda s: (1, 2, s, s)),
+    "deterministic_causal": dict(heads=2, heads_k=2, head_dim=128,
+                                 options=dict(causal=True, deterministic=True)),
+}
+# forwards that are not planned (host work reading values): their backward still is
+UNPLANNED_FORWARDS = {
+    "block_mask": lambda s: dict(block_mask=omniattn.masks.window_block_mask(
+        s, s, (70, 0), block_size=64, device="cuda")),
+    "row_lengths": lambda s: dict(seqlens_k_per_row=torch.randint(
+        0, s + 1, (2, s), device="cuda", dtype=torch.int32)),
+}
+
+
+def _training_step(q, k, v, extra, options, dout, dlse):
+    """(out, lse or None, dq, dk, dv, dbias or None) of one call and its backward."""
+    leaves = [q, k, v] + ([extra["attn_bias"]] if "attn_bias" in extra else [])
+    result = omniattn.attention(q, k, v, **options, **extra)
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    loss = (out.float() * dout).sum() + ((lse * dlse).sum() if lse is not None else 0)
+    grads = torch.autograd.grad(loss, leaves)
+    return out, lse, *grads, *([None] * (4 - len(grads)))
+
+
+@pytest.mark.parametrize("name", [*TRAINING_CASES, *UNPLANNED_FORWARDS])
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
+def test_replayed_training_steps_match_the_calls(monkeypatch, name):
+    """Forward (with its graph) and backward replayed from plans give what the calls give with
+    plans off: bitwise, but for gradients summed by atomics (the Gluon backward's dQ, sums
+    over keys), whose order varies run to run."""
+    case = TRAINING_CASES.get(name, dict(heads=4, heads_k=2, head_dim=64,
+                                         options=dict(causal=True)))
+    paths = _replays(monkeypatch)
+    seqlen = 200
+    atomics = not case["options"].get("deterministic") and case["head_dim"] == 128
+    for call in range(5):
+        q, k, v, extra = _inputs(seqlen, case["heads"], case["heads_k"], case["head_dim"],
+                                 mask=case.get("mask"), bias=case.get("bias"))
+        extra.update(UNPLANNED_FORWARDS[name](seqlen) if name in UNPLANNED_FORWARDS else {})
+        for t in (q, k, v, extra.get("attn_bias")):
+            if t is not None:
+                t.requires_grad_()
+        dout = torch.randn(q.shape, device="cuda")
+        dlse = torch.randn(2, case["heads"], seqlen, device="cuda")
+        got = _training_step(q, k, v, extra, case["options"], dout, dlse)
+        monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+        expected = _training_step(q, k, v, extra, case["options"], dout, dlse)
+        monkeypatch.delenv("OMNIATTN_CALL_PLANS")
+        for label, g, e in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, expected):
+            if e is None:
+                assert g is None, (name, call, label)
+            elif atomics and label in ("dq", "dbias"):
+                torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2, msg=(name, call, label))
+            else:
+                assert torch.equal(g, e), (name, call, label)
+        # forward and backward: the first call runs, the second is recorded, the later replay
+        replays_per_call = 1 if name in UNPLANNED_FORWARDS else 2
+        assert paths == ["plan"] * replays_per_call * max(call - 1, 0), (name, call)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_no_plans_under_launch_hooks_or_the_switch(monkeypatch):
     paths = _replays(monkeypatch)
     q, k, v, _ = _inputs(128, 2, 2, 64)
-    q.requires_grad_()
-    for _ in range(3):
-        omniattn.attention(q, k, v).sum().backward()  # a graph: never planned
     with torch.no_grad():
         for _ in range(3):
             omniattn.attention(q, k, v)
@@ -122,13 +182,17 @@ def test_no_plans_for_graphs_or_profiled_launches(monkeypatch):
     names = []
     hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
+    q.requires_grad_()
     try:
         with torch.no_grad():
             omniattn.attention(q, k, v)
+        for _ in range(3):  # launches under a hook go past the cache: no plan
+            omniattn.attention(q, k, v).sum().backward()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert paths == ["plan"] and names, names
+    assert paths == ["plan"] and len(names) >= 7, names
     monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+    q.requires_grad_(False)
     with torch.no_grad():
         for _ in range(3):
             omniattn.attention(q, k, v)  # the planned signature, now run as it is
@@ -204,10 +268,9 @@ class _FakeKernel:
         return launch
 
 
-def test_recorded_launches_point_into_each_calls_tensors(monkeypatch):
-    """Record (second call) and replay (later calls) on the CPU with a stand-in kernel: every
-    pointer a replay passes is the one the call itself would pass, at the same offsets into
-    its inputs and its own (fresh, zeroed where the call zeroed) buffers."""
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """A stand-in kernel, launched through `kernels.launch` as on a GPU."""
     import types
 
     from omniattn.kernels import launch as launch_module
@@ -218,14 +281,23 @@ def test_recorded_launches_point_into_each_calls_tensors(monkeypatch):
     monkeypatch.setattr(launch_module, "driver", types.SimpleNamespace(
         active=types.SimpleNamespace(get_current_stream=lambda device: 0)))
     monkeypatch.setattr(launch_module, "_compiled", {})
-    kernel = _FakeKernel()
+    return _FakeKernel()
+
+
+def test_recorded_launches_point_into_each_calls_tensors(fake_kernel):
+    """Record (second call) and replay (later calls) on the CPU with a stand-in kernel: every
+    pointer a replay passes is the one the call itself would pass, at the same offsets into
+    its inputs and its own (fresh, zeroed where the call zeroed) buffers."""
+    from omniattn.kernels.launch import launch
+
+    kernel = fake_kernel
     buffers = []
 
     def call(x):
         out = torch.empty_like(x)
         counts = torch.zeros(4, dtype=torch.int32)
         buffers.append((out, counts))
-        launch_module.launch(kernel, (2,), x[1:], out.view(-1)[2:], counts, 7, BLOCK=32)
+        launch(kernel, (2,), x[1:], out.view(-1)[2:], counts, 7, BLOCK=32)
         return out
 
     def expected(x, out, counts):
@@ -243,7 +315,7 @@ def test_recorded_launches_point_into_each_calls_tensors(monkeypatch):
                                            counts_pointer, 7, 32]
             assert out.shape == x.shape and len(buffers) == 2  # call() did not run
     plan = call_plans._plans[("key",)]
-    assert [zeroed for *_, zeroed in plan.allocations] == [False, True]
+    assert [step[-1] for step in plan.steps if step[0] == call_plans._ALLOCATE] == [False, True]
 
 
 def test_calls_that_compute_with_torch_are_not_replayed(monkeypatch):
@@ -258,3 +330,33 @@ def test_calls_that_compute_with_torch_are_not_replayed(monkeypatch):
     for _ in range(4):
         torch.testing.assert_close(call_plans.run(("sum",), (x,), lambda: call(x)), x + 1)
     assert len(calls) == 4 and call_plans._plans[("sum",)] is call_plans._NOT_REPLAYABLE
+
+
+def test_replayed_operations_and_structured_results(fake_kernel):
+    """A call that copies, sums and casts between launches and returns a structure (an input
+    itself, a view of its own buffer, a constant list): a replay repeats the operations on the
+    new call's tensors in their place and rebuilds the structure."""
+    from omniattn.kernels.launch import launch
+
+    calls = []
+
+    def call(x):
+        calls.append(x)
+        staged = torch.empty(6)
+        launch(fake_kernel, (1,), x, staged, 1, BLOCK=16)
+        staged.copy_(x[2:8])
+        row_sums = staged.view(2, 3).sum(1).to(torch.float64)
+        launch(fake_kernel, (1,), row_sums, staged, 2, BLOCK=16)
+        return x, (row_sums, staged[1:3]), [4, 5]
+
+    for i in range(4):
+        x = torch.randn(10)
+        same, (row_sums, middle), constant = call_plans.run(("ops",), (x,), lambda: call(x))
+        assert same is x and constant == [4, 5]
+        assert torch.equal(row_sums, x[2:8].view(2, 3).sum(1).double())
+        assert torch.equal(middle, x[3:5])
+        assert fake_kernel.launched[-1][:3] == [row_sums.data_ptr(), middle.data_ptr() - 4, 2]
+    assert len(calls) == 2  # the later calls replayed
+    plan = call_plans._plans[("ops",)]
+    assert [step[0] for step in plan.steps] == [
+        call_plans._ALLOCATE, call_plans._LAUNCH, *[call_plans._OPERATE] * 3, call_plans._LAUNCH]
