@@ -55,12 +55,6 @@ def clear() -> None:
     _plans.clear()
 
 
-def _tensor_key(t: torch.Tensor | None):
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
 def _typed(value):
     """value with the type of every element beside it: True and 1 (which hash alike) apart, as
     validation tells them apart."""
@@ -78,21 +72,21 @@ def signature(inputs: tuple, options: tuple) -> tuple | None:
             or torch._C._are_functorch_transforms_active() or not plans_enabled():
         return None
     storages = {}
-    sharing = []
+    tensors = []  # per input: its key and where its storage is first shared
     for t in inputs:
         if t is None:
-            sharing.append(None)
+            tensors.append(None)
             continue
         if type(t) is not torch.Tensor or not t.is_cuda:
             return None
-        base = t.untyped_storage().data_ptr()
-        first = storages.setdefault(base, (len(sharing), t.data_ptr()))
-        sharing.append((first[0], t.data_ptr() - first[1]))
+        pointer = t.data_ptr()
+        first, first_pointer = storages.setdefault(t.untyped_storage().data_ptr(),
+                                                   (len(tensors), pointer))
+        tensors.append((t.shape, t.stride(), t.dtype, t.device, pointer & 15, first,
+                        pointer - first_pointer))
     try:
         key = (torch.cuda.current_device(), gluon_enabled(), tma_enabled(inputs[0].device),
-               knobs.runtime.debug, tuple(sharing),
-               tuple(_tensor_key(t) for t in inputs),
-               _typed(options))
+               knobs.runtime.debug, tuple(tensors), _typed(options))
         hash(key)
     except TypeError:  # an option of a type validation will refuse
         return None

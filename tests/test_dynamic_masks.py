@@ -1,9 +1,11 @@
-"""Top-k keep-window masks against a brute-force torch.topk per row."""
+"""Top-k keep-window masks against a brute-force torch.topk per row; the memory of training
+with them (issue #4)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from omniattn import attention
 from omniattn.masks import prepare_dynamic_mask, topk_mask
 
 
@@ -80,3 +82,37 @@ def test_causal_topk_without_a_causal_mask(seqlen_q, seqlen_k):
     keep = topk_mask(scores, 4, causal=True, seqlen_q=seqlen_q, chunk_size=5)
     assert keep.shape == (2, 3, seqlen_q, seqlen_k)
     assert torch.equal(keep, brute_force(scores, 4, causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mask_layout", ["per_row_topk", "per_key_topk"])
+def test_key_bias_training_memory(mask_layout):
+    """Issue #4: forward + backward with a key bias (B, H, 1, Sk) allocate O(B·H·Sk) plus the
+    usual O(B·S·H·D) beyond their inputs: nothing shaped (Sq, Sk) (the schedule is per tile)."""
+    batch, seqlen, heads, head_dim = 2, 4096, 4, 64
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    scores = torch.randn(batch, heads, 1, seqlen, device="cuda")
+    mask = topk_mask(scores, 1024, causal=True, seqlen_q=seqlen) \
+        if mask_layout == "per_row_topk" else topk_mask(scores, 1024)
+    bias = torch.randn(batch, heads, 1, seqlen, device="cuda", dtype=torch.bfloat16,
+                       requires_grad=True)
+    dout = torch.randn_like(q)
+
+    def step():
+        out = attention(q, k, v, causal=True, attn_mask=mask, attn_bias=bias)
+        return torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    step()  # compiles, fills lazy caches
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = step()
+    peak = torch.cuda.max_memory_allocated() - before
+    rows = q.numel() * q.element_size()  # one (B, S, H, D) bf16 tensor
+    per_key = batch * heads * seqlen * 4  # one fp32 (B, H, Sk)
+    per_tile = batch * heads * (seqlen // 64) ** 2 * 4  # one int32 per 64x64 tile
+    assert peak <= 8 * rows + 8 * per_key + 4 * per_tile, (peak, rows)
+    assert peak < batch * heads * seqlen * seqlen  # a byte per (Sq, Sk) element would not fit
+    assert grads[3].shape == bias.shape and torch.isfinite(grads[3]).all()
