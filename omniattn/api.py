@@ -6,7 +6,8 @@ import math
 import torch
 
 from . import call_plans
-from .autograd import attention_with_graph, forward_parts, kernel_inputs, triton_attention
+from .autograd import (attention_with_graph, forward_parts, kernel_inputs, records_graph,
+                       triton_attention)
 from .kernels.configs import backward_config, forward_config, interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                   mask_tile_states, row_length_states, states_schedule)
@@ -401,24 +402,18 @@ def attention(
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
         inputs = (q, k, v, attn_mask, attn_bias)
-        graph = _records_graph(q, k, v, attn_bias)
+        graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, check_inputs))
-        if key is not None and not graph:
-            return call_plans.run(key, inputs, call)
         if key is not None:
+            if not graph:
+                return call_plans.run(key, inputs, call)
             # the forward's work (validation and schedule included) planned inside the Function
             out, lse = attention_with_graph(q, k, v, attn_mask, attn_bias,
                                             lambda: call_plans.run(key, inputs,
                                                                    lambda: call(True)))
             return (out, lse) if return_lse else out
     return call()
-
-
-def _records_graph(q, k, v, attn_bias) -> bool:
-    """Whether the call records a graph (inputs not yet validated)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (q, k, v, attn_bias))
 
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
@@ -464,7 +459,7 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
         explicit_lengths = seqlens_k_per_row is not None and row_order is None
         if (block_mask is not None or attn_mask is not None or explicit_lengths) \
                 and q.numel() and k.numel():
-            needs_grad = graph_parts or _records_graph(q, k, v, attn_bias)
+            needs_grad = graph_parts or records_graph(q, k, v, attn_bias)
             schedule, args = _explicit_schedule(q, k, args, block_mask, attn_mask, attn_bias,
                                                 seqlens_k_per_row, packed, backward=needs_grad,
                                                 dropout=dropout_p > 0)

@@ -185,6 +185,12 @@ def forward_parts(inputs: tuple) -> tuple:
     return (*_forward_impl(*inputs), inputs)
 
 
+def records_graph(q, k, v, attn_bias) -> bool:
+    """Whether a call records a graph (to q, k, v and attn_bias; inputs not yet validated)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v, attn_bias))
+
+
 def attention_with_graph(q, k, v, attn_mask, attn_bias, forward) -> tuple:
     """(out, lse) with a graph to (q, k, v, attn_bias), for an eager call on plain tensors;
     forward() runs with no graph recorded and gives forward_parts."""
@@ -203,8 +209,7 @@ def triton_attention(inputs: tuple):
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor \
             or torch._C._are_functorch_transforms_active():
         return attention_fwd_op(*inputs)
-    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad
-                                           or (attn_bias is not None and attn_bias.requires_grad)):
+    if not records_graph(q, k, v, attn_bias):
         # no graph to record: the Function's apply and context were 13% of a masked forward's
         # Python (CPU, launches mocked: 233 -> 203 us)
         return _forward_impl(*inputs)

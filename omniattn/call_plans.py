@@ -210,7 +210,7 @@ class _Plan:
             items = value.items() if type(value) is dict else enumerate(value)
             layouts = {where: self._layout(v, outputs) for where, v in items}
             if all(kind is None for kind, _ in layouts.values()):  # constants: copied whole
-                return (None, value) if type(value) is tuple else (_COPIED, value)
+                return (None, value) if type(value) is tuple else (_COPIED, value.copy())
             if type(value) is dict:
                 return (dict, layouts)
             return (type(value), list(layouts.values()))
@@ -240,7 +240,7 @@ class _Plan:
             for step in self.steps:
                 kind = step[0]
                 if kind == _LAUNCH:
-                    _launch(step, inputs, created, stream)
+                    _replay_launch(step, inputs, created, stream)
                 elif kind == _ALLOCATE:
                     _, shape, stride, dtype, device, zero = step
                     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -254,7 +254,7 @@ class _Plan:
         return _rebuilt(self.result, inputs, created)
 
 
-def _launch(step: tuple, inputs: tuple, created: list, stream: int) -> None:
+def _replay_launch(step: tuple, inputs: tuple, created: list, stream: int) -> None:
     _, compiled, grid, fixed, pointers, descriptors, tail = step
     args = list(fixed)
     for position, location in pointers:
@@ -264,8 +264,7 @@ def _launch(step: tuple, inputs: tuple, created: list, stream: int) -> None:
         vars(rebuilt).update(fields)
         rebuilt.base = _Base(_pointer(location, inputs, created), dtype)
         args[position] = rebuilt
-    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
+    launch_module.run_compiled(compiled, grid, stream, args, tail)
 
 
 def _pointer(location: tuple, inputs: tuple, created: list) -> int:

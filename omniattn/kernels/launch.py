@@ -157,6 +157,11 @@ def _launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict) -> tuple |
             kernel[grid](*args, **kwargs)  # raises Triton's error
             return None
     grid = _grid_3d(grid)
-    compiled.run(*grid, driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *tail)
+    run_compiled(compiled, grid, driver.active.get_current_stream(device), args, tail)
     return compiled, grid, args, tail
+
+
+def run_compiled(compiled, grid: tuple[int, int, int], stream: int, args, tail: tuple) -> None:
+    """The compiled kernel's launcher on `stream`, with no launch metadata and no hooks."""
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
