@@ -252,6 +252,27 @@ def test_gluon_with_bias_in_another_dtype(gluon_calls):
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 600), (333, 520)], ids=str)
+def test_gluon_full_bias_gradient_of_unvisited_tiles(gluon_calls, seqlen_q, seqlen_k):
+    """The Gluon backward writes a full bias's gradient into an uninitialised (NaN-poisoned)
+    buffer and zeroes the tiles its lists skip itself: whole tiles hidden by the mask inside
+    the causal part (gaps in both the PARTIAL and the FULL lists), a FULL run past them, the
+    causal part's hidden tiles, rows past Sq and keys past Sk."""
+    generator = torch.Generator().manual_seed(8)
+    torch.manual_seed(8)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, 4, 2, 128, torch.float16)
+    keep = torch.rand(1, 4, seqlen_q, seqlen_k, generator=generator) < 0.8
+    keep[..., 64:256, :256] = False  # hidden 64 x 128 tiles between listed ones
+    keep[..., 320:, :128] = True  # FULL tiles after them
+    bias = torch.randn(1, 4, seqlen_q, seqlen_k, generator=generator).to(DEVICE, torch.float16)
+    _, _, grads = run_and_check(q, k, v, attn_mask=keep.to(DEVICE),
+                                attn_bias=bias.requires_grad_(), causal=True)
+    assert (grads[3][..., 64:256, :256] == 0).all()
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
+
+
 # (mask shape, bias shape) of packed sequences: t = total_q, h / k = H / Hk heads, s = max Sk
 PACKED_FORMS = [("tks", "ths"), ("1ks", "1ks"), ("t1s", "t11"), (None, "tks"), ("tks", None)]
 

@@ -721,7 +721,7 @@ def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: 
 
 
 def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: int,
-                  explicit_lists: bool):
+                  explicit_lists: bool, gluon: bool):
     """Where the kernels write dbias, and how it reduces to the bias's shape.
 
     One slot per query head when the bias has H heads or a single row or column (then a vector
@@ -734,7 +734,7 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     zero_unlisted: a full bias with a slot per query head under explicit lists (`explicit_lists`:
     a schedule over a padded batch) is stored tile by tile by one pass, so only the tiles its
     lists leave out need zeros: the caller writes them (`_zero_unlisted`) instead of the buffer
-    being zeroed whole.
+    being zeroed whole. The Gluon backward (`gluon`) zeroes a full bias's unvisited tiles itself.
     Returns (buffer, its kernel strides, per_qhead, zero_unlisted, finish)."""
     bias_batch, bias_heads, rows, cols = bias.tensor.shape
     dtype_out = bias.tensor.dtype
@@ -747,8 +747,9 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     dtype = torch.float32 if reduce or accumulate else dtype_out
     # elements of tiles no program visits must read 0 (packed: keys past a sequence's end too);
     # other layouts are written in full
-    zero_unlisted = explicit_lists and spans and bias_heads == num_heads
-    alloc = torch.zeros if (spans or bias.packed) and not zero_unlisted else torch.empty
+    zero_unlisted = explicit_lists and spans and bias_heads == num_heads and not gluon
+    alloc = torch.zeros if (spans or bias.packed) and not zero_unlisted and not gluon \
+        else torch.empty
     buffer = alloc((buffer_batch, slots, rows, cols), dtype=dtype, device=bias.tensor.device)
     # size-1 dims at stride 0: packed rows are addressed from each sequence's first row
     strides = broadcast_strides(buffer)
@@ -810,21 +811,21 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    gluon = bits is None and row_lens is None and packed is None and dropout[0] == 0 \
+        and not deterministic and q.numel() > 0 and k.numel() > 0 and hopper_backward_applies(
+            q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
+            bias_grad)
     dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
         None, None, True, False, None
     if bias_grad:
         dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
             _dbias_buffer(bias, batch, num_heads, num_heads_k,
-                          explicit_lists=schedule is not None and packed is None)
+                          explicit_lists=schedule is not None and packed is None, gluon=gluon)
     if q.numel() == 0 or k.numel() == 0:
         dbias = finish_dbias(dbias_buffer.zero_()) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    gluon = bits is None and row_lens is None and packed is None and dropout[0] == 0 \
-        and not deterministic and hopper_backward_applies(
-            q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
-            bias_grad)
     # delta is per row: packed rows are one long sequence here
     pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
     if gluon:
@@ -870,9 +871,6 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             # summed over keys by atomics across key tiles: fp32 zeros
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
-        # the Gluon kernel writes dbias tiles from the key side: the ones its lists skip are 0
-        if zero_unlisted:
-            _zero_unlisted(dbias_buffer, dbias_strides, schedule.dkdv, True, seqlen_q, seqlen_k)
         hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                         schedule.dkdv if schedule is not None else None, mask, bias,
                         (dbias_buffer, dbias_strides) if bias_grad else None)
