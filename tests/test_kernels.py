@@ -164,6 +164,23 @@ def test_gluon_kernels(gluon_calls, case):
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
+GLUON_FORWARD_ONLY_CASES = [(2, 1000, 1000, 8, 2, 256, torch.bfloat16, "causal", 0.0),
+                            (1, 513, 2049, 4, 1, 256, torch.float16, "dense", 0.0),
+                            (1, 700, 900, 4, 2, 256, torch.bfloat16, "right_only", 0.0),
+                            (1, 255, 113, 4, 4, 256, torch.float16, "causal", 0.0),
+                            (2, 1, 17, 4, 1, 256, torch.bfloat16, "dense", 0.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", GLUON_FORWARD_ONLY_CASES, ids=case_id)
+def test_gluon_forward_head_dim_256(gluon_calls, case):
+    """Head dim 256: the Gluon forward (64-key tiles, two K/V buffers) with bwd.py's backward
+    on its lse; odd lengths, rows that see no key, GQA."""
+    check_case(*case)
+    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("pairs", [1, 2, 4])

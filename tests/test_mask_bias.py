@@ -228,6 +228,26 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", [
+    (2, 300, 410, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None, True),
+    (1, 255, 113, 4, 2, torch.float16, "bkq1", torch.float16, "b1q1", True, None, False),
+    (1, 200, 256, 4, 4, torch.bfloat16, "1hqs", torch.uint8, "bhqs", False, None, False),
+], ids=case_id)
+def test_gluon_forward_head_dim_256_with_mask_and_bias(gluon_calls, case):
+    """Head dim 256: the Gluon forward walks an element mask's lists (its consumers load the
+    mask) with a key / broadcast bias; a bias spanning (Sq, Sk) stays in fwd.py (no tiles for
+    it); the backward is bwd.py's."""
+    (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
+     window, degenerate) = case
+    run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 256, dtype, mask_form, mask_dtype,
+             bias_form, causal=causal, window=window, masked_rows=degenerate,
+             neg_inf_bias=degenerate)
+    expected = [] if bias_form[2:] == "qs" else ["fwd"]
+    assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 def test_gluon_backward_with_shared_bias_without_grad(gluon_calls):
     """A (Sq, Sk) bias shared by each KV group and not learned: the Gluon backward's consumers
     copy its tiles by TMA from the group's head (rows past Sq are the next head's)."""

@@ -1,6 +1,7 @@
 """Hopper forward for the schedules without per-element terms (dense, causal / right window, GQA),
 written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory
-buffers, two consumer warpgroups each own 64 query rows of the program's 128. Each consumer
+buffers (a buffer's K goes back to it once QK^T has read it, its V after P V), two consumer
+warpgroups each own 64 query rows of the program's 128. Each consumer
 issues the next tile's QK^T before the softmax of the current one, so the softmax runs while the
 tensor cores compute P V of the tile before (FA3's intra-warpgroup overlap, with asynchronous
 wgmma and explicit waits that Triton's `tl.dot` does not expose). It also runs element masks,
@@ -87,7 +88,8 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
              MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr):
     """Producer: each consumer's query rows once, then the K and V tiles of step j into buffer
-    j % NUM_BUF as soon as both consumers released the step that used it before. MASK_TMA: the
+    j % NUM_BUF, each as soon as both consumers released the one of the step that used the
+    buffer before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the
     masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
     head, query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias
     tiles, likewise."""
@@ -126,6 +128,7 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
         else:
             _load_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
+        mbarrier.wait(kv_free.index(NUM_BUF + buf), ((j // NUM_BUF) & 1) ^ 1)
         _load_tile(v_desc, off_b, start_n, off_hk, seqlen_k, v_ready.index(buf),
                    v_smem.index(buf), HEAD_DIM, FLAT)
 
@@ -297,6 +300,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         if BIAS_TMA:
             bias = bias_smem.index(CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(kv_free.index(0))
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
                                            diag_offset, window_right, qk_scale_log2, keep, bias,
                                            KEYS, HAS_MASK, HAS_BIAS, HAS_RIGHT, EXPLICIT,
@@ -329,11 +333,13 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
                             is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(kv_free.index(last))
+        mbarrier.arrive(kv_free.index(NUM_BUF + last))
     for j in range(num_tiles, num_tiles_cta):
-        # loaded for the other consumer: release it once it is there
+        # loaded for the other consumer: release it once it is there (the other consumer
+        # reads K before V, so K's buffer is not overwritten before it lands)
         mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
         mbarrier.arrive(kv_free.index(j % NUM_BUF))
+        mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
 
     seen = l_i > 0.0
     l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
@@ -367,11 +373,11 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
                      HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
-    softmax of S_j runs while the second matmul is on the tensor cores; then step j - 1's
-    buffers go back to the producer. MASKED: a PARTIAL step (reads the mask, applies the KEYS
-    predicate). Returns the next step's key start, read a step ahead like the mask / bias
-    tiles, whose loads are issued before the waits (MASK_TMA / BIAS_TMA: the producer's tiles
-    are read while the matmuls run)."""
+    softmax of S_j runs while the second matmul is on the tensor cores. K_j's buffer goes back
+    to the producer once S_j is done, V_{j-1}'s after its matmul. MASKED: a PARTIAL step (reads
+    the mask, applies the KEYS predicate). Returns the next step's key start, read a step ahead
+    like the mask / bias tiles, whose loads are issued before the waits (MASK_TMA / BIAS_TMA:
+    the producer's tiles are read while the matmuls run)."""
     next_n = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
                       EXPLICIT) * BLOCK_N
     keep, bias = _elementwise_tiles(
@@ -400,13 +406,14 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
         else:
             bias = gl.where(keep != 0, 0.0, float("-inf"))
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
+    mbarrier.arrive(kv_free.index(buf))  # K_j (and the step's mask / bias tiles, read above)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
                                        diag_offset, window_right, qk_scale_log2, keep, bias,
                                        KEYS, MASKED and HAS_MASK and not TERMS, HAS_BIAS or TERMS,
                                        HAS_RIGHT, EXPLICIT, BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(kv_free.index(prev))
+    mbarrier.arrive(kv_free.index(NUM_BUF + prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i, next_n
 
@@ -463,7 +470,8 @@ def _fwd_hopper_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    # releases of each buffer's K (index buf) and V (NUM_BUF + buf)
+    kv_free = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
     # each step's mask / bias, a [BM, BN] tile per consumer
     mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
     bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA)
@@ -473,6 +481,7 @@ def _fwd_hopper_kernel(
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=2)  # one release per consumer
+        mbarrier.init(kv_free.index(NUM_BUF + i), count=2)
 
     gl.warp_specialize([
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
