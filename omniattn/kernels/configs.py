@@ -209,23 +209,22 @@ class HopperTileConfig:
     mask_buffers: int = 0
 
 
-# Gluon forward, keyed by head dim (exact: no padding). H100, bf16, do_bench, against fwd.py
-# and cuDNN in the same process (2026-11-23), ms: dense B2 H16 4k 0.433-0.453 (fwd.py 0.546,
-# cuDNN 0.439), B1 H16 16k 3.47-3.49 (4.015, 3.555), causal 4k 0.266 (0.330, 0.271), causal 16k
+# Gluon forward, keyed by head dim (exact: no padding). H100, bf16, do_bench, against fwd.py and
+# cuDNN in the same process (2026-11-23), ms: dense B2 H16 4k 0.433-0.453 (fwd.py 0.546, cuDNN
+# 0.439), B1 H16 16k 3.47-3.49 (4.015, 3.555), causal 4k 0.266 (0.330, 0.271), causal 16k
 # 1.79-1.90 (2.246, 1.969), GQA 32/8 causal 8k 0.943 (1.202, 0.990). 2 buffers: dense 4k 0.509;
 # 128-key tiles beat 64 under causal (4k 0.284, 16k 1.93-1.98); registers (240, 24) or (200, 56)
-# change nothing. D64: see below. With an element
-# mask (issue #4's causal top-k keeping 1024 keys, B2 H16 4k), kernel call: key bias 0.433 ms
-# (fwd.py 0.542); 128x64 tiles with 3 / 4 / 5 buffers 0.500 / 0.509 / 0.501. A bias spanning
-# (Sq, Sk) spills at 128x128 (616 B; 0.81 ms) and ties fwd.py at 128x64 (0.614 against 0.610):
-# such calls stay in fwd.py. The mask's tiles by TMA through the producer (one byte per element,
-# spanning (Sq, Sk)) leave room for 2 K/V buffers: 0.410-0.412 ms against 0.437-0.454 loaded by
-# the consumers at 3 (profiler, 2026-11-23); a 3rd buffer would need 272 KB of shared memory.
-# D256 (2026-11-24, forward kernel ms by profiler, B2 H16 4k dense / causal): 64-key tiles in 2
-# buffers 0.726 / 0.430 (fwd.py 1.13 / 0.61, cuDNN 0.748 / 0.450); before K's buffer went back
-# ahead of V's 1.05 / 0.60, 32-key tiles in 3 / 4 / 5 buffers 1.00 / 0.98 / 1.00. D64 at
-# (128, 128, 4): 0.319 / 0.209 against fwd.py's 0.330 / 0.205 (3 / 6 buffers 0.349 / 0.334
-# dense): stays in fwd.py
+# change nothing (D64: see below). With an element mask (issue #4's causal top-k keeping 1024
+# keys, B2 H16 4k), kernel call: key bias 0.433 ms (fwd.py 0.542); 128x64 tiles with 3 / 4 / 5
+# buffers 0.500 / 0.509 / 0.501. A bias spanning (Sq, Sk) spills at 128x128 (616 B; 0.81 ms) and
+# ties fwd.py at 128x64 (0.614 against 0.610): such calls stay in fwd.py. The mask's tiles by TMA
+# through the producer (one byte per element, spanning (Sq, Sk)) leave room for 2 K/V buffers:
+# 0.410-0.412 ms against 0.437-0.454 loaded by the consumers at 3 (profiler, 2026-11-23); a 3rd
+# buffer would need 272 KB of shared memory. D256 (2026-11-24, forward kernel ms by profiler, B2
+# H16 4k dense / causal): 64-key tiles in 2 buffers 0.726 / 0.430 (fwd.py 1.13 / 0.61, cuDNN 0.748
+# / 0.450); before K's buffer went back ahead of V's 1.05 / 0.60, 32-key tiles in 3 / 4 / 5
+# buffers 1.00 / 0.98 / 1.00. D64 at (128, 128, 4): 0.319 / 0.209 against fwd.py's 0.330 / 0.205
+# (3 / 6 buffers 0.349 / 0.334 dense): stays in fwd.py
 _FWD_HOPPER = {
     128: HopperTileConfig(128, 128, 3, 232, 40, mask_buffers=2),
     256: HopperTileConfig(128, 64, 2, 240, 24),

@@ -1,15 +1,14 @@
 """Hopper forward for the schedules without per-element terms (dense, causal / right window, GQA),
-written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory
-buffers (a buffer's K goes back to it once QK^T has read it, its V after P V), two consumer
-warpgroups each own 64 query rows of the program's 128. Each consumer
-issues the next tile's QK^T before the softmax of the current one, so the softmax runs while the
-tensor cores compute P V of the tile before (FA3's intra-warpgroup overlap, with asynchronous
-wgmma and explicit waits that Triton's `tl.dot` does not expose). It also runs element masks,
-biases and bitmap-free block masks: the key tiles then come from the schedule's lists (PARTIAL
-tiles first, then FULL ones). A byte mask and a 2-byte bias spanning (Sq, Sk) come by TMA with
-K (the producer's), their broadcast forms by each consumer's loads straight into the scores'
-layout; either is read while the wgmmas run. Row lengths, packing, dropout, softcap, left
-windows and block-mask bitmaps run in `fwd.py`."""
+written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory buffers
+(a buffer's K goes back to it once QK^T has read it, its V after P V), two consumer warpgroups each
+own 64 query rows of the program's 128. Each consumer issues the next tile's QK^T before the softmax
+of the current one, so the softmax runs while the tensor cores compute P V of the tile before (FA3's
+intra-warpgroup overlap, with asynchronous wgmma and explicit waits that Triton's `tl.dot` does not
+expose). It also runs element masks, biases and bitmap-free block masks: the key tiles then come
+from the schedule's lists (PARTIAL tiles first, then FULL ones). A byte mask and a 2-byte bias
+spanning (Sq, Sk) come by TMA with K (the producer's), their broadcast forms by each consumer's
+loads straight into the scores' layout; either is read while the wgmmas run. Row lengths, packing,
+dropout, softcap, left windows and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
 import functools
@@ -335,8 +334,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(kv_free.index(NUM_BUF + last))
     for j in range(num_tiles, num_tiles_cta):
-        # loaded for the other consumer: release it once it is there (the other consumer
-        # reads K before V, so K's buffer is not overwritten before it lands)
+        # loaded for the other consumer: release it once V is there (and K: the producer
+        # rewrites it only once the other consumer, which waits for it, released it too)
         mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
         mbarrier.arrive(kv_free.index(j % NUM_BUF))
         mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
