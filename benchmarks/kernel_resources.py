@@ -8,9 +8,10 @@ The launchers run on CPU tensors with the kernel launch replaced by a compile, s
 get exactly the constexprs and specialisations a GPU call of that shape would give them. The
 numbers match the H100's `CompiledKernel.n_regs` / shared memory (2026-11-25: D128 backward 255
 registers, 164,864 bytes); ptxas counts spills in bytes (n_spills on the device counts words).
-The Gluon kernels (fwd_hopper.py, bwd_hopper.py) run their launchers the same way, with issue #4's
-element mask and biases on request; their partitions set their own register budgets
-(setmaxnreg), so `registers` is the launch's, and the spills are what tells.
+The Gluon kernels (fwd_hopper.py, bwd_hopper.py; bwd_hopper_wide.py at head dim 256) run their
+launchers the same way, with issue #4's element mask and biases on request; their partitions set
+their own register budgets (setmaxnreg), so `registers` is the launch's, and the spills are what
+tells.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from omniattn.kernels import bwd, bwd_hopper, configs, fwd, fwd_hopper
+from omniattn.kernels import bwd, bwd_hopper, bwd_hopper_wide, configs, fwd, fwd_hopper
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import PARTIAL, KernelArgs, TileLists
 
@@ -102,6 +103,15 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                                   torch.empty(batch, heads, seqlen), schedule, masks, bias)
         return
     cfg = configs.hopper_backward_config(head_dim)
+    row_stats, _, _ = bwd_hopper.backward_row_stats(torch.zeros(batch, heads, seqlen),
+                                                    cfg.block_m)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
+    if configs.hopper_backward_splits_head_dim(head_dim):
+        if mask or bias is not None:
+            raise SystemExit(f"the Gluon backward takes no masks or biases at head dim {head_dim}")
+        bwd_hopper_wide.hopper_backward_wide(q, q, k, k, row_stats, torch.zeros(q.shape), args,
+                                             *grads)
+        return
     schedule = lists(cfg.block_m, cfg.block_n, True) if mask else None
     dbias = None
     if bias is not None:
@@ -109,10 +119,7 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
         grad = torch.empty(bias.tensor.shape, dtype=q.dtype if bias_form == "full"
                            else torch.float32)
         dbias = (grad, tuple(grad.stride()))
-    row_stats, _, _ = bwd_hopper.backward_row_stats(torch.zeros(batch, heads, seqlen),
-                                                    cfg.block_m)
-    bwd_hopper.hopper_backward(q, q, k, k, row_stats, torch.zeros(q.shape), args,
-                               torch.empty_like(q), torch.empty_like(k), torch.empty_like(k),
+    bwd_hopper.hopper_backward(q, q, k, k, row_stats, torch.zeros(q.shape), args, *grads,
                                schedule, masks, bias, dbias)
 
 
@@ -140,6 +147,7 @@ def main() -> None:
     # the forward takes tensor descriptors on Hopper; these CPU tensors would not say so
     fwd.tma_enabled = lambda device: True
     bwd_hopper.sm_count = lambda device: 132  # an H100's
+    bwd_hopper_wide.sm_count = bwd_hopper.sm_count
     q = torch.randn(2, opts.seqlen, 16, opts.head_dim, dtype=torch.bfloat16)
     k, v = (torch.randn(2, opts.seqlen, opts.heads_k, opts.head_dim, dtype=torch.bfloat16)
             for _ in range(2))
@@ -147,7 +155,7 @@ def main() -> None:
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []
     with launches_compiled({"_fwd_kernel", "_bwd_kernel", "_fwd_hopper_kernel",
-                            "_bwd_hopper_kernel"}, reports):
+                            "_bwd_hopper_kernel", "_bwd_wide_kernel"}, reports):
         if opts.kernel == "fwd":
             fwd.attention_forward(q, k, v, args)
         elif opts.kernel == "bwd":

@@ -11,13 +11,14 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def gluon_calls(monkeypatch) -> list:
-    """Records the launches of the Gluon forward ("fwd") and backward ("bwd")."""
+    """Records the launches of the Gluon forward ("fwd") and backward ("bwd", either kernel)."""
     from omniattn.kernels import bwd, fwd
 
     calls = []
-    forward, backward = fwd.hopper_forward, bwd.hopper_backward
+    forward, backward, wide = fwd.hopper_forward, bwd.hopper_backward, bwd.hopper_backward_wide
     monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
     monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
+    monkeypatch.setattr(bwd, "hopper_backward_wide", lambda *a: calls.append("bwd") or wide(*a))
     return calls
 
 

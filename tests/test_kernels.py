@@ -13,7 +13,7 @@ import torch
 
 from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
                      replace_backward_configs)
-from omniattn.kernels import bwd_hopper, configs
+from omniattn.kernels import bwd_hopper, bwd_hopper_wide, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -150,13 +150,16 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (3, 129, 1, 2, 2, 128, torch.float16, "causal", 0.0),
                (1, 255, 113, 4, 2, 128, torch.bfloat16, "causal", 0.0),
                (2, 1, 17, 4, 1, 128, torch.float16, "dense", 0.0),
-               # head dim 256: the Gluon forward (64-key tiles, two K/V buffers), bwd.py's
-               # backward on its lse
+               # head dim 256: the forward at 64-key tiles in two K/V buffers, the backward
+               # with dK / dV / dQ split by head dim (bwd_hopper_wide.py); 512 x 512: the
+               # tensors seen as (B * S, H * D) by TMA
                (2, 1000, 1000, 8, 2, 256, torch.bfloat16, "causal", 0.0),
                (1, 513, 2049, 4, 1, 256, torch.float16, "dense", 0.0),
                (1, 700, 900, 4, 2, 256, torch.bfloat16, "right_only", 0.0),
                (1, 255, 113, 4, 4, 256, torch.float16, "causal", 0.0),
-               (2, 1, 17, 4, 1, 256, torch.bfloat16, "dense", 0.0)]
+               (2, 1, 17, 4, 1, 256, torch.bfloat16, "dense", 0.0),
+               (2, 512, 512, 4, 2, 256, torch.bfloat16, "causal", 0.0),
+               (1, 512, 512, 6, 3, 256, torch.float16, "dense", 0.0)]
 
 
 @pytest.mark.gpu
@@ -166,34 +169,36 @@ def test_gluon_kernels(gluon_calls, case):
     """Multi-tile launches of the Gluon forward and backward (producer + two consumer
     warpgroups): ring wrap-around, masked tail tiles, rows that see no key, a consumer with fewer
     tiles than its program, odd lengths, GQA groups summed in one backward program. Fails if
-    a pass did not take the Gluon path: both at head dim 128, the forward at 256."""
+    a pass did not take the Gluon path."""
     check_case(*case)
-    expected = ["fwd", "bwd"] if case[5] == 128 else ["fwd"]
-    assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
-@pytest.mark.parametrize("pairs", [1, 2, 4])
-def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs):
-    """The causal Gluon backward runs its programs a group of (batch, KV head) pairs at a time;
-    9 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is written
-    and exact."""
-    monkeypatch.setattr(bwd_hopper, "causal_pairs_per_group", lambda *args: pairs)
-    check_case(3, 300, 400, 6, 3, 128, torch.bfloat16, "causal", 0.0)
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
-@pytest.mark.parametrize("seqlen", [256, 200])
-def test_gluon_head_major_layout(gluon_calls, seqlen):
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("pairs", [1, 2, 4])
+def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs, head_dim):
+    """The causal Gluon backward runs its programs a group of (batch, KV head) pairs at a time;
+    9 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is written
+    and exact."""
+    for module in (bwd_hopper, bwd_hopper_wide):
+        monkeypatch.setattr(module, "causal_pairs_per_group", lambda *args: pairs)
+    check_case(3, 300, 400, 6, 3, head_dim, torch.bfloat16, "causal", 0.0)
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("seqlen, head_dim", [(256, 128), (200, 128), (256, 256)])
+def test_gluon_head_major_layout(gluon_calls, seqlen, head_dim):
     """q/k/v/out as (B, H, S, D) storage seen through (B, S, H, D) views: heads are not packed
-    within a row, so the descriptors are 4-d whatever the lengths."""
+    within a row, so the descriptors are 4-d whatever the lengths; dK / dV written through the
+    same strides."""
     torch.manual_seed(seqlen)
-    q, k, v = (torch.randn(2, heads, seqlen, 128, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(2, heads, seqlen, head_dim, device=DEVICE, dtype=torch.bfloat16)
                .transpose(1, 2) for heads in (8, 2, 2))
-    args = KernelArgs.make(128, True, None, None, 0.0)
+    args = KernelArgs.make(head_dim, True, None, None, 0.0)
     out = nan_like(q.transpose(1, 2).contiguous()).transpose(1, 2)
     lse = torch.full((2, 8, seqlen), float("nan"), device=DEVICE)
     attention_forward(q, k, v, args, out=out, lse=lse)

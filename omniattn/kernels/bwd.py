@@ -17,8 +17,10 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
 from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_applies
+from .bwd_hopper_wide import hopper_backward_wide
 from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
-                      hopper_backward_config, next_power_of_2, padded_head_dim)
+                      hopper_backward_config, hopper_backward_splits_head_dim, next_power_of_2,
+                      padded_head_dim)
 from .elementwise import Elementwise
 from .launch import launch
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
@@ -871,9 +873,12 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             # summed over keys by atomics across key tiles: fp32 zeros
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
-        hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
-                        schedule.dkdv if schedule is not None else None, mask, bias,
-                        (dbias_buffer, dbias_strides) if bias_grad else None)
+        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks or biases here
+            hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv)
+        else:
+            hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
+                            schedule.dkdv if schedule is not None else None, mask, bias,
+                            (dbias_buffer, dbias_strides) if bias_grad else None)
         return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
     n_tiles_m = cdiv(seqlen_q, block_m2)
     n_tiles_n = cdiv(seqlen_k, block_n1)

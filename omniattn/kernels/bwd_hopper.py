@@ -25,7 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 
 from .common import load_pair_tile, schedule_rows, store_pair_tile
-from .configs import causal_pairs_per_group, cdiv, hopper_backward_config, sm_count
+from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
+                      hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
                          by_tma, flat_launch, hopper_forward_candidate, producer_tiles,
@@ -640,14 +641,18 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             dout: torch.Tensor, args: KernelArgs,
                             schedule: TileLists | None = None, mask: Elementwise | None = None,
                             bias: Elementwise | None = None, bias_grad: bool = False) -> bool:
-    """Whether `hopper_backward` runs this call: where the Gluon forward could (device, dtype,
-    arguments; a bias spanning (Sq, Sk) too), with a head dim the backward has tiles for,
+    """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
+    `bwd_hopper_wide`'s, which takes no lists, masks or biases): where the Gluon forward could
+    (device, dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim it has tiles for,
     q / k / v / dO aligned for TMA, transposed lists (if any) at its tiles and from an element
     mask, and a bias gradient it writes: any but that of a (Sq, Sk) bias shared by several query
     heads (its sum over them is bwd.py's). The caller excludes what `hopper_forward_candidate`
     does not see (bitmaps, lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
     if cfg is None or q.dim() != 4 or not hopper_forward_candidate(q, args):
+        return False
+    if hopper_backward_splits_head_dim(q.shape[-1]) \
+            and (schedule is not None or mask is not None or bias is not None):
         return False
     # lists of whole-block masks stay in bwd.py. H100, 16k B1 H16, backward GPU ms at density
     # 1 / .5 / .26 / .11: Gluon 13.15 / 6.81 / 3.68 / 1.78, Triton 12.55 / 6.93 / 3.57 / 1.55;

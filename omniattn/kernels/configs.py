@@ -245,8 +245,14 @@ _FWD_HOPPER_FULL_BIAS = {
 # GQA 32/8 causal 8k 3.19-3.21 (3.65). 64-row q tiles: S^T and dP^T [64 keys, 64 rows] per
 # consumer beside dK and dV (128 registers); P^T as a register operand or S^T and dP^T in flight
 # together spilled at 240 registers (dense 4k 1.87-2.03)
+# D256 (bwd_hopper_wide.py): 64 keys per program, 64-row q tiles, two q / dO buffers (224 KB of
+# shared memory with K and V); S and dP split by keys between the consumers, dK / dV / dQ by head
+# dim (one consumer's registers cannot hold dK and dV of 64 keys at D256). H100, B2 H16 4k,
+# backward kernel ms (profiler, 2026-11-24) dense / causal / GQA 16/4 causal: 3.50 / 1.86 / 1.96
+# against bwd.py's 5.08 / 3.46 / 3.49 (cuDNN's whole backward about 3.85 / 2.10 dense / causal)
 _BWD_HOPPER = {
     128: HopperTileConfig(64, 128, 2, 240, 24),
+    256: HopperTileConfig(64, 64, 2, 240, 24),
 }
 
 
@@ -257,6 +263,12 @@ def hopper_forward_config(head_dim: int, full_bias: bool = False) -> HopperTileC
 
 def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
     return _BWD_HOPPER.get(head_dim)
+
+
+def hopper_backward_splits_head_dim(head_dim: int) -> bool:
+    """Whether the Gluon backward at this head dim is bwd_hopper_wide's (dK / dV / dQ split by
+    head dim between the consumers; no lists, masks or biases)."""
+    return head_dim > 128
 
 
 def causal_pairs_per_group(num_tiles_n: int, num_pairs: int, num_sms: int) -> int:
