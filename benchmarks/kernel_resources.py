@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--bias", choices=("key", "full"),
                         help="Gluon kernels: a key bias (B, H, 1, Sk) or a full one")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", help="left,right (-1: unbounded), as attention's window")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--heads-k", type=int, default=16, help="of 16 query heads (GQA below 16)")
@@ -151,7 +152,8 @@ def main() -> None:
     q = torch.randn(2, opts.seqlen, 16, opts.head_dim, dtype=torch.bfloat16)
     k, v = (torch.randn(2, opts.seqlen, opts.heads_k, opts.head_dim, dtype=torch.bfloat16)
             for _ in range(2))
-    args = KernelArgs.make(opts.head_dim, opts.causal, None, None, 0.0)
+    window = tuple(map(int, opts.window.split(","))) if opts.window else None
+    args = KernelArgs.make(opts.head_dim, opts.causal, window, None, 0.0)
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []
     with launches_compiled({"_fwd_kernel", "_bwd_kernel", "_fwd_hopper_kernel",

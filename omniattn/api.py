@@ -252,7 +252,8 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     sparse = attn_mask is not None or args.masked or (
         block_mask is not None and block_mask.has_partial_blocks)
     gluon = block_mask is None and row_lens is None and packed is None and not dropout \
-        and hopper_forward_candidate(q, args, attn_bias if full_bias else None)
+        and hopper_forward_candidate(q, args, attn_bias if full_bias else None,
+                                     lists=attn_mask is not None)
     fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise, gluon=gluon,
                          full_bias=full_bias)
     bwd = backward_config(head_dim, q.dtype, masked=sparse, full_bias=full_bias)

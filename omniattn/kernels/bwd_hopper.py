@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton._C.libtriton import ir
 
-from .common import load_pair_tile, schedule_rows, store_pair_tile
+from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
 from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
@@ -53,11 +53,11 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-                stride_fih, first_m, num_m_tiles, EXPLICIT: gl.constexpr):
+                stride_fih, first_m, end_m, EXPLICIT: gl.constexpr):
     """Query tiles of the group's head h: (num_part, part_list, full_list, num_steps, first);
     step j visits tile first + `_tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
     FULL one (pointers given at the group's first head, per-head strides 0 where the schedule
-    broadcasts heads); implicit: tiles [first_m, num_m_tiles)."""
+    broadcasts heads); implicit: tiles [first_m, end_m)."""
     if EXPLICIT:
         num_part = gl.load(part_num + h * stride_pnh)
         num_steps = num_part + gl.load(full_num + h * stride_fnh)
@@ -66,7 +66,7 @@ def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_
         first = 0
     else:
         num_part = 0
-        num_steps = num_m_tiles - first_m
+        num_steps = end_m - first_m
         first = first_m
     return num_part, part_list, full_list, num_steps, first
 
@@ -74,7 +74,7 @@ def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_
 @gluon.jit
 def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
-               num_heads, delta_row0, start_n, first_m, num_m_tiles, group, seqlen_q, seqlen_k,
+               num_heads, delta_row0, start_n, first_m, end_m, group, seqlen_q, seqlen_k,
                part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div,
                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -97,7 +97,7 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
             h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-            stride_fih, first_m, num_m_tiles, EXPLICIT)
+            stride_fih, first_m, end_m, EXPLICIT)
         num_masked = num_part
         if start_n + 2 * HALF_N > seqlen_k:
             num_masked = num_steps  # as the consumers count them
@@ -160,11 +160,11 @@ def _zero_hidden_tiles(dbias_cols, stride_dbm, stride_dbn, num_part, part_list, 
                        EXPLICIT: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
     """Zeros into this consumer's [BM, BN/2] tiles of a (Sq, Sk) dbias (dbias_cols: the head's
     query 0, the consumer's first key) that the head's steps never visit, so the buffer needs
-    no zero fill of its own. Implicit: tiles [0, first); explicit: those in neither list, both
-    ascending (a merge walk). H100, B2 H16 4k causal, fwd+bwd: issue #4's top-k mask + full
-    bias 2.23 -> 2.19 ms (a 0.163 ms pass over the unlisted tiles gone, the kernel 1.50 ->
-    1.62: the stores are bandwidth-bound in the programs with few steps), a full bias alone
-    2.17 -> 2.02 (its 1 GB memset gone, the kernel 1.39 -> 1.57)."""
+    no zero fill of its own. Implicit: tiles outside [first, first + num_steps); explicit:
+    those in neither list, both ascending (a merge walk). H100, B2 H16 4k causal, fwd+bwd:
+    issue #4's top-k mask + full bias 2.23 -> 2.19 ms (a 0.163 ms pass over the unlisted tiles
+    gone, the kernel 1.50 -> 1.62: the stores are bandwidth-bound in the programs with few
+    steps), a full bias alone 2.17 -> 2.02 (its 1 GB memset gone, the kernel 1.39 -> 1.57)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HALF_N, layout=gl.SliceLayout(0, layout))
@@ -177,21 +177,22 @@ def _zero_hidden_tiles(dbias_cols, stride_dbm, stride_dbn, num_part, part_list, 
         listed_full = 0
         next_part = gl.load(part_list, mask=num_part > 0, other=-1)
         next_full = gl.load(full_list, mask=num_full > 0, other=-1)
-        for tile_m in range(num_m_tiles):
+    for tile_m in range(num_m_tiles):
+        if EXPLICIT:
+            hidden = True
             if tile_m == next_part:
                 listed_part += 1
                 next_part = gl.load(part_list + listed_part, mask=listed_part < num_part,
                                     other=-1)
+                hidden = False
             elif tile_m == next_full:
                 listed_full += 1
                 next_full = gl.load(full_list + listed_full, mask=listed_full < num_full,
                                     other=-1)
-            else:
-                start_m = tile_m * BLOCK_M
-                gl.store(ptrs + start_m.to(gl.int64) * stride_dbm, zeros,
-                         mask=(rows[:, None] < seqlen_q - start_m) & inside_cols)
-    else:
-        for tile_m in range(first):
+                hidden = False
+        else:
+            hidden = (tile_m < first) | (tile_m >= first + num_steps)
+        if hidden:
             start_m = tile_m * BLOCK_M
             gl.store(ptrs + start_m.to(gl.int64) * stride_dbm, zeros,
                      mask=(rows[:, None] < seqlen_q - start_m) & inside_cols)
@@ -222,10 +223,11 @@ def _copy_bias_tile(bias_desc, row, key0, bias_ready, ds_smem, i, pred,
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
-                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
-                next_row, has_next, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
+                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
+                bias_row, bias_ready, next_row, has_next, MASKED: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                 MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                 HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -237,7 +239,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
-    tiles drop keys past Sk, right of each row's window (diag = Sk - Sq + window_right) and
+    tiles drop keys past Sk, right of each row's window (diag = Sk - Sq + window_right), left
+    of it (diag_left = Sk - Sq - window_left; implicit schedules only) and
     where the mask (HAS_MASK) is 0; the bias (HAS_BIAS) is added in every tile. mask_cols /
     bias_cols / dbias_cols point at this consumer's first key (key0), query 0, of the head.
     DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
@@ -293,6 +296,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             if (not EXPLICIT) or (start_m + diag < key0 + HALF_N - 1):
                 rows = start_m + local_m
                 p_t = gl.where(keys[:, None] <= rows[None, :] + diag, p_t, 0.0)
+        if HAS_LEFT:
+            p_t = gl.where(keys[:, None] >= (start_m + local_m)[None, :] + diag_left, p_t, 0.0)
     # P^T (bf16 from here on: dS^T uses it too) and dS^T go to shared memory as the A operands
     # of dV and dK. dP^T after P^T: S^T and dP^T in flight together, with P^T in fp32, left the
     # consumer short of registers (ptxas spilled and serialised the wgmmas)
@@ -360,16 +365,55 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
 
 
 @gluon.jit
+def _query_tiles(steps_begin, steps_end, i, next_m, first, num_steps, num_part, head_part,
+                 head_full, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
+                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
+                 bias_row, bias_ready, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr,
+                 MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                 MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
+                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                 EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+                 HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                 FLAT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """Steps [steps_begin, steps_end) of a head's query tiles through `_query_tile`, all MASKED
+    or none; the tile of step j + 1 (next_m, first + `_tile_at`) is read a step ahead, so no
+    load waits on it. Returns (dk, dv, dbias_keys, i, next_m)."""
+    for j in range(steps_begin, steps_end):
+        tile_m = next_m
+        next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
+                                  head_full, EXPLICIT)
+        dk, dv, dbias_keys = _query_tile(
+            i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+            p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+            dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+            qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
+            stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
+            bias_ready, next_m * BLOCK_M, j + 1 < num_steps, MASKED, HAS_LEFT, HAS_RIGHT,
+            EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+            BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER,
+            BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+        i += 1
+    return dk, dv, dbias_keys, i, next_m
+
+
+@gluon.jit
 def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                    v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
-                   ds_ready, kv_done, off_b, off_hk, start_n, first_m, first_full, num_m_tiles,
-                   group, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
+                   ds_ready, kv_done, off_b, off_hk, start_n, first_m, first_full, last_full,
+                   end_m, num_m_tiles, group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                   softmax_scale,
                    part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                    stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
                    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
                    stride_dbh, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row0,
-                   bias_ready, CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+                   bias_ready, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr,
+                   MASK_TMA: gl.constexpr,
                    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -379,9 +423,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
-    first_full) are masked, the rest whole; explicit: the PARTIAL ones, or all of them when
-    the key tile runs past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of
-    the batch."""
+    first_full) and [last_full, end_m) are masked, [first_full, last_full) whole; explicit: the
+    PARTIAL ones, or all of them when the key tile runs past Sk. mask_batch / bias_batch /
+    dbias_batch point at key start_n of the batch."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -412,13 +456,15 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
             h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-            stride_fih, first_m, num_m_tiles, EXPLICIT)
+            stride_fih, first_m, end_m, EXPLICIT)
         if EXPLICIT:
             num_masked = num_part
             if start_n + BLOCK_N > seqlen_k:
                 num_masked = num_steps  # its FULL tiles drop the keys past Sk too
+            whole_end = num_steps
         else:
             num_masked = first_full - first_m
+            whole_end = last_full - first_m
         mask_cols = mask_batch + (head // mask_head_div).to(gl.int64) * stride_mh
         bias_cols = bias_batch + (head // bias_head_div).to(gl.int64) * stride_bh
         dbias_cols = dbias_batch + head.to(gl.int64) * stride_dbh
@@ -433,38 +479,41 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         if BIAS_TMA:
             _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
                             i, num_steps > 0, CONSUMER, HALF_N)
-        for j in range(num_masked):
-            tile_m = next_m
-            next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
-                                      head_full, EXPLICIT)
-            dk, dv, dbias_keys = _query_tile(
-                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
-                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
-                next_m * BLOCK_M, j + 1 < num_steps, True, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+        dk, dv, dbias_keys, i, next_m = _query_tiles(
+                0, num_masked, i, next_m, first, num_steps, num_part, head_part, head_full,
+                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
+                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
+                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
+                bias_row, bias_ready, True, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
                 BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
-                HEAD_DIM,
-                NUM_BUF, FLAT, s_layout, dq_layout)
-            i += 1
-        for j in range(num_masked, num_steps):
-            tile_m = next_m
-            next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
-                                      head_full, EXPLICIT)
-            dk, dv, dbias_keys = _query_tile(
-                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2,
-                softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
-                next_m * BLOCK_M, j + 1 < num_steps, False, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+        dk, dv, dbias_keys, i, next_m = _query_tiles(
+                num_masked, whole_end, i, next_m, first, num_steps, num_part, head_part, head_full,
+                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
+                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
+                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
+                bias_row, bias_ready, False, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
                 BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
-                HEAD_DIM,
-                NUM_BUF, FLAT, s_layout, dq_layout)
-            i += 1
+                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+        if HAS_LEFT:
+            # implicit: the tiles cut by the windows' left edges
+            dk, dv, dbias_keys, i, next_m = _query_tiles(
+                whole_end, num_steps, i, next_m, first, num_steps, num_part, head_part, head_full,
+                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
+                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
+                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
+                bias_row, bias_ready, True, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
             # a key bias: the sum over this head's queries, in the head's own slot
             gl.store(dbias_cols + (keys - key0) * stride_dbn,
@@ -490,15 +539,16 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
 @gluon.jit
 def _bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
-    num_heads_k, group, delta_row0, diag_offset, window_right, qk_scale_log2, softmax_scale,
-    num_pairs, pairs_per_group, QNum, QIdx, FullQNum, FullQIdx,
+    num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
+    softmax_scale, num_pairs, pairs_per_group, QNum, QIdx, FullQNum, FullQIdx,
     stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div, bias_desc, bias_batch_rows,
     DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
-    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EXPLICIT: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+    MASK_ROWS_SHARED: gl.constexpr,
     MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
     BIAS_COLS_SHARED: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
@@ -525,21 +575,24 @@ def _bwd_hopper_kernel(
     off_hk = off_bh % num_heads_k
     start_n = tile_n * BLOCK_N
     num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    first_m = 0
-    first_full = 0
-    if HAS_RIGHT:
-        diag = diag_offset + window_right
-        if not EXPLICIT:
-            # query row r sees keys up to r + diag: the first row that sees key start_n, the
-            # first that sees the tile's last key
-            first_m = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, num_m_tiles)
-            last_key_row = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)
-            first_full = gl.minimum(gl.maximum(gl.cdiv(last_key_row, BLOCK_M), first_m),
-                                    num_m_tiles)
+    diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)
+    diag_left = diag_offset - window_left  # and from r + diag_left (HAS_LEFT)
+    if EXPLICIT:
+        first_m = 0
+        first_full = 0
+        last_full = num_m_tiles
+        end_m = num_m_tiles
     else:
-        diag = 0
+        # query tiles [first_m, end_m) see the program's keys; [first_full, last_full) see
+        # all of them
+        first_m, first_full, last_full, end_m = implicit_q_range(
+            start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M,
+            BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        if not HAS_LEFT:
+            last_full = end_m  # a last tile past Sq is whole here: its rows have p = 0
     if start_n + BLOCK_N > seqlen_k:
-        first_full = num_m_tiles  # keys past Sk in every tile
+        first_full = end_m  # keys past Sk in every tile
+        last_full = end_m
     # the transposed lists of the group's first head (per-head strides in the partitions)
     part_num, part_list, full_num, full_list = schedule_rows(
         QNum, QIdx, FullQNum, FullQIdx, off_b, off_hk * group, tile_n,
@@ -600,13 +653,15 @@ def _bwd_hopper_kernel(
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem0, ds_smem, dq_smem0, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
-                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, part_num, part_list, full_num, full_list,
+                          first_full, last_full, end_m, num_m_tiles, group, seqlen_q, seqlen_k,
+                          diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
+                          full_num, full_list,
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, 0, HAS_RIGHT, EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, 0, HAS_LEFT, HAS_RIGHT,
+                          EXPLICIT,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -615,13 +670,15 @@ def _bwd_hopper_kernel(
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
-                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, part_num, part_list, full_num, full_list,
+                          first_full, last_full, end_m, num_m_tiles, group, seqlen_q, seqlen_k,
+                          diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
+                          full_num, full_list,
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, 1, HAS_RIGHT, EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, 1, HAS_LEFT, HAS_RIGHT,
+                          EXPLICIT,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -629,7 +686,7 @@ def _bwd_hopper_kernel(
                           NUM_BUF, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
-                      off_hk, num_heads_k * group, delta_row0, start_n, first_m, num_m_tiles,
+                      off_hk, num_heads_k * group, delta_row0, start_n, first_m, end_m,
                       group, seqlen_q, seqlen_k, part_num, part_list, full_num, full_list,
                       stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
                       off_b * mask_batch_rows, mask_head_div, BLOCK_M, BLOCK_N // 2, HEAD_DIM,
@@ -649,10 +706,18 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads (its sum over them is bwd.py's). The caller excludes what `hopper_forward_candidate`
     does not see (bitmaps, lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
-    if cfg is None or q.dim() != 4 or not hopper_forward_candidate(q, args):
+    if cfg is None or q.dim() != 4 \
+            or not hopper_forward_candidate(q, args, lists=schedule is not None):
         return False
     if hopper_backward_splits_head_dim(q.shape[-1]) \
             and (schedule is not None or mask is not None or bias is not None):
+        return False
+    # left windows at D128 without GQA stay in bwd.py: its programs of 128 keys see few query
+    # tiles. H100, bf16, B1 H16 8k, fwd+bwd ms with the Gluon / Triton backward (2026-11-24):
+    # window (1024, 0) 0.890 / 0.723, (512, 512) 0.784 / 0.741; GQA 16/4 B2 4k (1024, 0) 0.664
+    # / 0.773; D256 8k (1024, 0) 1.510 / 2.076
+    if args.has_left and not hopper_backward_splits_head_dim(q.shape[-1]) \
+            and q.shape[2] == k.shape[2]:
         return False
     # lists of whole-block masks stay in bwd.py. H100, 16k B1 H16, backward GPU ms at density
     # 1 / .5 / .26 / .11: Gluon 13.15 / 6.81 / 3.68 / 1.78, Triton 12.55 / 6.93 / 3.57 / 1.55;
@@ -731,14 +796,16 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
         _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),
         _descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
-        num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_right,
+        num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_left,
+        args.window_right,
         args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group, *lists,
         *(mask.operands() if mask is not None else unused),
         *(mask_tma if mask_tma is not None else (stats_desc, 0)),
         *(bias.operands() if bias is not None else unused),
         *(bias_tma if bias_tma is not None else (stats_desc, 0)),
         *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
-        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, EXPLICIT=schedule is not None,
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
+        EXPLICIT=schedule is not None,
         **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
         BIAS_TMA=bias_tma is not None,
         DBIAS=dbias is not None,

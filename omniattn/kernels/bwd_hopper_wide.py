@@ -1,5 +1,5 @@
-"""Hopper backward in Gluon for head dim 256: dense, causal / right window, GQA (no lists, masks
-or biases: those calls stay in bwd.py).
+"""Hopper backward in Gluon for head dim 256: dense, causal, windows, GQA (no lists, masks or
+biases: those calls stay in bwd.py).
 
 At D256 one consumer cannot hold dK and dV of 64 keys (2 x 64 x 256 fp32: 256 registers), so
 the two consumer warpgroups split the work two ways. A program owns 64 keys of one (batch, KV
@@ -19,6 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .bwd_hopper import _STATS_LAYOUT, _async_reduce_add
+from .common import implicit_q_range
 from .configs import causal_pairs_per_group, cdiv, hopper_backward_config, sm_count
 from .fwd_hopper import _shared_layout, flat_launch, tensor_descriptor
 from .launch import launch
@@ -45,7 +46,7 @@ def _copy_boxes(desc, off_b, row, head, seqlen, ready, dst, first,
 @gluon.jit
 def _load(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
           lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk, num_heads,
-          delta_row0, start_n, first_m, num_m_tiles, group, seqlen_q, seqlen_k,
+          delta_row0, start_n, first_m, end_m, group, seqlen_q, seqlen_k,
           BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """Producer: the program's K and V once, then q with its lse row and dO with its delta row
     of each query tile of each head of the group into buffer i % 2 (boxes 4b .. 4b + 3) once
@@ -61,7 +62,7 @@ def _load(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, 
     for h in range(group):
         head = off_hk * group + h
         stats_row = off_b * num_heads + head
-        for tile_m in range(first_m, num_m_tiles):
+        for tile_m in range(first_m, end_m):
             row = tile_m * BLOCK_M
             buf = i % 2
             # a fresh barrier passes a wait on parity 1: the first round needs no release
@@ -133,8 +134,9 @@ def _add_dq_half(dq, q_smem, do_smem, box, dq_desc, off_b, row, col, head, seqle
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                 ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
-                MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr,
+                keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                softmax_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr,
                 CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                 FLAT: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr):
     """One query tile: this consumer's 32 keys of S and dP, its halves of P^T and dS^T into
@@ -159,6 +161,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
             p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
         if HAS_RIGHT:
             p = gl.where(keys[None, :] <= rows[:, None] + diag, p, 0.0)
+        if HAS_LEFT:
+            p = gl.where(keys[None, :] >= rows[:, None] + diag_left, p, 0.0)
     mbarrier.wait(do_ready.index(buf), phase)
     delta = _row_stats(delta_smem, buf, s_layout)  # [BM, 1]
     dp = _scores(do_smem, v_smem, 4 * buf, CONSUMER * 32, s_zero - delta, s_layout)
@@ -195,6 +199,27 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
 
 
 @gluon.jit
+def _query_tiles(first, end, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
+                 ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
+                 keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                 softmax_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, CONSUMER: gl.constexpr,
+                 BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
+                 s_layout: gl.constexpr, acc_layout: gl.constexpr):
+    """Query tiles [first, end) of a head through `_query_tile`, all MASKED or none (i: the
+    running tile count across heads, which picks the buffers)."""
+    for tile_m in range(first, end):
+        dv0, dv1, dk0, dk1 = _query_tile(
+            i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
+            q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1, keys, off_b,
+            head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, MASKED,
+            HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
+            acc_layout)
+        i += 1
+    return dv0, dv1, dk0, dk1, i
+
+
+@gluon.jit
 def _store_columns(acc, base, keys, stride_n, stride_d, col, seqlen_k, acc_layout: gl.constexpr):
     """acc [64 keys, 64] (fp32) into columns col .. col + 63 of rows `keys` at base."""
     cols = col + gl.arange(0, 64, layout=gl.SliceLayout(0, acc_layout))
@@ -205,13 +230,14 @@ def _store_columns(acc, base, keys, stride_n, stride_d, col, seqlen_k, acc_layou
 @gluon.jit
 def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
                    kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK, DV, dk_strides,
-                   dv_strides, off_b, off_hk, start_n, first_m, first_full, num_m_tiles,
-                   group, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale,
-                   CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr,
+                   dv_strides, off_b, off_hk, start_n, first_m, first_full, last_full, end_m,
+                   group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
+                   CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   EVEN_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: S / dP for keys [start_n + 32c, + 32), dK / dV for head-dim columns
     [128c, + 128) of all 64 keys, over the query tiles of every head of the group: [first_m,
-    first_full) masked, the rest whole."""
+    first_full) and [last_full, end_m) masked, [first_full, last_full) whole."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -226,20 +252,25 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     i = 0
     for h in range(group):
         head = off_hk * group + h
-        for tile_m in range(first_m, first_full):
-            dv0, dv1, dk0, dk1 = _query_tile(
-                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
-                ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, True,
-                HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout, acc_layout)
-            i += 1
-        for tile_m in range(first_full, num_m_tiles):
-            dv0, dv1, dk0, dk1 = _query_tile(
-                i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
-                ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, qk_scale_log2, softmax_scale, False,
-                HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout, acc_layout)
-            i += 1
+        dv0, dv1, dk0, dk1, i = _query_tiles(
+            first_m, first_full, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
+            keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
+            True, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
+            acc_layout)
+        dv0, dv1, dk0, dk1, i = _query_tiles(
+            first_full, last_full, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+            p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
+            keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
+            False, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
+            acc_layout)
+        if HAS_LEFT:  # the tiles cut by the windows' left edges
+            dv0, dv1, dk0, dk1, i = _query_tiles(
+                last_full, end_m, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+                p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0,
+                dk1, keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                softmax_scale, True, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM,
+                FLAT, s_layout, acc_layout)
     tma.store_wait(0)
     all_keys = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     dk_b, dk_n, dk_h, dk_d = dk_strides
@@ -259,9 +290,9 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV, stride_dkb, stride_dkn,
     stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd, seqlen_q, seqlen_k,
-    num_heads_k, group, delta_row0, diag_offset, window_right, qk_scale_log2, softmax_scale,
-    num_pairs, pairs_per_group,
-    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EVEN_N: gl.constexpr,
+    num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
+    softmax_scale, num_pairs, pairs_per_group, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    LONGEST_FIRST: gl.constexpr, EVEN_N: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -280,19 +311,17 @@ def _bwd_wide_kernel(
     off_b = off_bh // num_heads_k
     off_hk = off_bh % num_heads_k
     start_n = tile_n * BLOCK_N
-    num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    first_m = 0
-    first_full = 0
-    if HAS_RIGHT:
-        diag = diag_offset + window_right
-        first_m = gl.minimum(gl.maximum(start_n - diag, 0) // BLOCK_M, num_m_tiles)
-        last_key_row = gl.maximum(start_n + BLOCK_N - 1 - diag, 0)
-        first_full = gl.minimum(gl.maximum(gl.cdiv(last_key_row, BLOCK_M), first_m),
-                                num_m_tiles)
-    else:
-        diag = 0
+    diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)
+    diag_left = diag_offset - window_left  # and from r + diag_left (HAS_LEFT)
+    # query tiles [first_m, end_m) see the program's keys; [first_full, last_full) all of them
+    first_m, first_full, last_full, end_m = implicit_q_range(
+        start_n, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT)
+    if not HAS_LEFT:
+        last_full = end_m  # a last tile past Sq is whole here: its rows have p = 0
     if start_n + BLOCK_N > seqlen_k:
-        first_full = num_m_tiles  # keys past Sk in every tile
+        first_full = end_m  # keys past Sk in every tile
+        last_full = end_m
 
     box: gl.constexpr = k_desc.block_type.shape
     # K, V: 4 boxes each; q, dO: 4 boxes per buffer, 2 buffers
@@ -326,18 +355,18 @@ def _bwd_wide_kernel(
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
-                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, 0, HAS_RIGHT, EVEN_N, BLOCK_M, HEAD_DIM,
-                          FLAT)),
+                          first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
+                          diag_left, qk_scale_log2, softmax_scale, 0, HAS_LEFT, HAS_RIGHT,
+                          EVEN_N, BLOCK_M, HEAD_DIM, FLAT)),
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
-                          first_full, num_m_tiles, group, seqlen_q, seqlen_k, diag,
-                          qk_scale_log2, softmax_scale, 1, HAS_RIGHT, EVEN_N, BLOCK_M, HEAD_DIM,
-                          FLAT)),
+                          first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
+                          diag_left, qk_scale_log2, softmax_scale, 1, HAS_LEFT, HAS_RIGHT,
+                          EVEN_N, BLOCK_M, HEAD_DIM, FLAT)),
         (_load, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
-                 num_heads_k * group, delta_row0, start_n, first_m, num_m_tiles, group,
+                 num_heads_k * group, delta_row0, start_n, first_m, end_m, group,
                  seqlen_q, seqlen_k, BLOCK_M, HEAD_DIM, FLAT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -381,9 +410,9 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _box_descriptor(q, flat), _box_descriptor(k, flat), _box_descriptor(v, flat),
         _box_descriptor(dout, flat), _box_descriptor(dq_sum, flat, 32), stats_desc, dk, dv,
         *dk.stride(), *dv.stride(), seqlen_q, seqlen_k, num_heads_k, num_heads // num_heads_k,
-        batch * num_heads, seqlen_k - seqlen_q, args.window_right, args.qk_scale_log2,
-        args.softmax_scale, num_pairs, pairs_per_group,
-        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
+        batch * num_heads, seqlen_k - seqlen_q, args.window_left, args.window_right,
+        args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group,
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
         EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4)

@@ -1,4 +1,4 @@
-"""Hopper forward for the schedules without per-element terms (dense, causal / right window, GQA),
+"""Hopper forward for the schedules without per-element terms (dense, causal, windows, GQA),
 written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory buffers
 (a buffer's K goes back to it once QK^T has read it, its V after P V), two consumer warpgroups each
 own 64 query rows of the program's 128. Each consumer issues the next tile's QK^T before the softmax
@@ -8,7 +8,7 @@ expose). It also runs element masks, biases and bitmap-free block masks: the key
 from the schedule's lists (PARTIAL tiles first, then FULL ones). A byte mask and a 2-byte bias
 spanning (Sq, Sk) come by TMA with K (the producer's), their broadcast forms by each consumer's
 loads straight into the scores' layout; either is read while the wgmmas run. Row lengths, packing,
-dropout, softcap, left windows and block-mask bitmaps run in `fwd.py`."""
+dropout, softcap, left windows with lists and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import load_pair_tile, schedule_rows
+from .common import implicit_kv_range, load_pair_tile, schedule_rows
 from .configs import (cdiv, compute_capability, gluon_enabled, hopper_forward_config,
                       interpreting)
 from .elementwise import Elementwise
@@ -81,12 +81,14 @@ def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
 
 @gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-             off_b, off_h, off_hk, start_m, num_tiles, num_part, part_list, full_list, seqlen_q,
+             off_b, off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list,
+             full_list, seqlen_q,
              seqlen_k, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
              MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr):
-    """Producer: each consumer's query rows once, then the K and V tiles of step j into buffer
+    """Producer: each consumer's query rows once, then the K and V tiles of step j (key tile
+    first_tile + j of an implicit schedule) into buffer
     j % NUM_BUF, each as soon as both consumers released the one of the step that used the
     buffer before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the
     masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
@@ -97,7 +99,7 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
                    q_smem.index(c), HEAD_DIM, FLAT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
-        start_n = _tile_at(j, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
+        start_n = (first_tile + _tile_at(j, num_part, part_list, full_list, EXPLICIT)) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
         if MASK_TMA or BIAS_TMA:
@@ -158,27 +160,32 @@ def _load_elementwise(rows_base, start_n, rows_left, cols_left, stride_m, stride
 
 
 @gluon.jit
-def _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_right,
-                       HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """z [BM, BN] of the key tile at start_n with -inf past Sk and right of each row's window."""
+def _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_left, window_right,
+                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """z [BM, BN] of the key tile at start_n with -inf past Sk and outside each row's window."""
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, z.type.layout))
     key_end = gl.full_like(rows, 0) + seqlen_k  # [BM]
     if HAS_RIGHT:
         key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
-    return gl.where(keys[None, :] < key_end[:, None], z, float("-inf"))
+    z = gl.where(keys[None, :] < key_end[:, None], z, float("-inf"))
+    if HAS_LEFT:
+        z = gl.where(keys[None, :] >= (rows + diag_offset - window_left)[:, None], z,
+                     float("-inf"))
+    return z
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, window_right,
-                  qk_scale_log2, keep, bias, KEYS: gl.constexpr, MASK: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
+def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, window_left,
+                  window_right, qk_scale_log2, keep, bias, KEYS: gl.constexpr,
+                  MASK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
-    alpha). KEYS: drop keys past Sk and right of each row's window (explicit schedules: only
-    in tiles that reach past key_full, the first row's key end); MASK: drop the keys whose
-    `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with none of these is seen whole
-    by every row: its row max is finite and needs no -inf guard. Each term is its own select
-    (a predicate each): ANDing them first kept the booleans in registers."""
+    alpha). KEYS: drop keys past Sk and outside each row's window (explicit schedules, which
+    have no left bound: only in tiles that reach past key_full, the first row's key end);
+    MASK: drop the keys whose `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with
+    none of these is seen whole by every row: its row max is finite and needs no -inf guard.
+    Each term is its own select (a predicate each): ANDing them first kept the booleans in
+    registers."""
     if KEYS or MASK or HAS_BIAS:
         if HAS_BIAS:
             # natural units, one FMA per element; log2(e) goes into the exp2's FMA
@@ -193,10 +200,11 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, w
             if EXPLICIT:
                 if start_n + BLOCK_N > key_full:
                     z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset,
-                                           window_right, HAS_RIGHT, BLOCK_N)
+                                           window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                                           BLOCK_N)
             else:
-                z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_right,
-                                       HAS_RIGHT, BLOCK_N)
+                z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_left,
+                                       window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(z, 1) * unit)
         # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -231,11 +239,23 @@ def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stri
 
 
 @gluon.jit
+def _release_steps(first, end, v_ready, kv_free, NUM_BUF: gl.constexpr):
+    """Steps [first, end), loaded for the other consumer only: each released once its V is
+    there (and its K: the producer rewrites it only once the other consumer, which waits for
+    it, released it too)."""
+    for j in range(first, end):
+        mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+        mbarrier.arrive(kv_free.index(j % NUM_BUF))
+        mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
+
+
+@gluon.jit
 def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-            window_right, qk_scale_log2, num_tiles_cta, num_part, part_list, full_list,
-            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-            bias_smem, CONSUMER: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+            window_left, window_right, qk_scale_log2, first_tile, num_tiles_cta, num_part,
+            part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
+            stride_bn, mask_smem, bias_smem, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+            HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -244,9 +264,10 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             FLAT: gl.constexpr):
     """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles, each through
     `_overlapped_tile`. Explicit schedules: the program's PARTIAL tiles (predicate and mask),
-    then its FULL ones. Implicit: the tiles every row of this consumer sees whole, then the
-    ones it sees in part; a tile only the other consumer needs is still released once loaded,
-    so the producer's ring keeps turning. The first step is always treated as PARTIAL.
+    then its FULL ones. Implicit (step j: key tile first_tile + j): the tiles cut by the left
+    edge of this consumer's rows' windows, those every row sees whole, then those cut on the
+    right; a tile only the other consumer needs is still released once loaded, so the
+    producer's ring keeps turning. This consumer's first step is always treated as PARTIAL.
     MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
     else each consumer loads its own."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -259,86 +280,104 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     rows_left = seqlen_q - row0
     mask_rows += CONSUMER * BLOCK_M * stride_mm
     bias_rows += CONSUMER * BLOCK_M * stride_bm
-    # keys past Sk or right of a row's window exist in the PARTIAL tiles only if:
-    KEYS: gl.constexpr = HAS_RIGHT or not EVEN_N
-    # keys [0, key_full) are visible to every row of this consumer
+    # keys past Sk or outside a row's window exist in the PARTIAL tiles only if:
+    KEYS: gl.constexpr = HAS_LEFT or HAS_RIGHT or not EVEN_N
+    # keys [0, key_full) are visible to every row of this consumer (explicit schedules)
     key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
     if EXPLICIT:
+        # steps [0, num_part) PARTIAL, then FULL
+        first = 0
         num_tiles = num_tiles_cta
-        num_first = num_part  # steps [0, num_part) PARTIAL, then FULL
+        left_end = num_part
+        whole_end = num_tiles
     else:
-        # tiles [0, num_full) are whole for every row of this consumer, [num_full, num_tiles)
-        # are not
-        last_row = gl.minimum(row0 + BLOCK_M, seqlen_q) - 1
-        num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
-                            BLOCK_N)
-        num_first = gl.minimum(key_full // BLOCK_N, num_tiles)
+        # steps [first, left_end) cut on the left, [left_end, whole_end) whole, the rest up to
+        # num_tiles cut on the right
+        lo, full_lo, full_hi, hi = implicit_kv_range(
+            row0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+            HAS_LEFT, HAS_RIGHT)
+        first = lo - first_tile
+        num_tiles = hi - first_tile
+        left_end = full_lo - first_tile
+        whole_end = full_hi - first_tile
     if row0 >= seqlen_q:
+        first = 0
         num_tiles = 0
+    _release_steps(0, first, v_ready, kv_free, NUM_BUF)
 
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    if num_tiles > 0:
-        start_n = _tile_at(0, num_part, part_list, full_list, EXPLICIT) * BLOCK_N
+    if num_tiles > first:
+        start_n = (first_tile + _tile_at(first, num_part, part_list, full_list, EXPLICIT)) \
+            * BLOCK_N
         keep, bias = _elementwise_tiles(
             start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
             seqlen_k - start_n, s_layout, HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
             MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
             EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
-        next_n = _tile_at(gl.minimum(1, num_tiles - 1), num_part, part_list, full_list,
-                          EXPLICIT) * BLOCK_N
+        next_n = (first_tile + _tile_at(gl.minimum(first + 1, num_tiles - 1), num_part, part_list,
+                                        full_list, EXPLICIT)) * BLOCK_N
+        first_buf = first % NUM_BUF
         mbarrier.wait(q_ready.index(CONSUMER), 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+        mbarrier.wait(k_ready.index(first_buf), (first // NUM_BUF) & 1)
+        s = warpgroup_mma(q, k_smem.index(first_buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
         if HAS_MASK and MASK_TMA:
             keep = mask_smem.index(CONSUMER).load(s_layout)
         if BIAS_TMA:
-            bias = bias_smem.index(CONSUMER).load(s_layout)
+            bias = bias_smem.index(first_buf * 2 + CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(kv_free.index(0))
+        mbarrier.arrive(kv_free.index(first_buf))
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
-                                           diag_offset, window_right, qk_scale_log2, keep, bias,
-                                           KEYS, HAS_MASK, HAS_BIAS, HAS_RIGHT, EXPLICIT,
-                                           BLOCK_N)
+                                           diag_offset, window_left, window_right, qk_scale_log2,
+                                           keep, bias, KEYS, HAS_MASK, HAS_BIAS, HAS_LEFT,
+                                           HAS_RIGHT, EXPLICIT, BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        # explicit: PARTIAL then FULL steps; implicit: whole then partly seen tiles
-        for j in range(1, num_first):
-            acc, p_op, m_i, l_i, next_n = _overlapped_tile(
-                j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
-                qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
-                EXPLICIT, EXPLICIT, EXPLICIT and KEYS, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout,
-                p_layout)
-        for j in range(gl.maximum(num_first, 1), num_tiles):
+        if EXPLICIT or HAS_LEFT:
+            # explicit: the PARTIAL steps; implicit: the tiles cut by the windows' left edges
+            for j in range(first + 1, left_end):
+                acc, p_op, m_i, l_i, next_n = _overlapped_tile(
+                    j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                    s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
+                    window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
+                    full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                    mask_smem, bias_smem, CONSUMER, EXPLICIT, True, KEYS, HAS_MASK, MASK_TMA,
+                    MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+                    BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
+        for j in range(gl.maximum(left_end, first + 1), whole_end):
             # FULL tiles of an explicit schedule may still run past Sk
             acc, p_op, m_i, l_i, next_n = _overlapped_tile(
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
-                qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
-                EXPLICIT, not EXPLICIT, KEYS if not EXPLICIT else not EVEN_N, HAS_MASK, MASK_TMA,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF,
-                s_layout, o_layout, p_layout)
+                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
+                window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
+                full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                mask_smem, bias_smem, CONSUMER, EXPLICIT, False, EXPLICIT and not EVEN_N,
+                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M,
+                BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
+        if not EXPLICIT:
+            # the tiles cut by the windows' right edges or by Sk
+            for j in range(gl.maximum(whole_end, first + 1), num_tiles):
+                acc, p_op, m_i, l_i, next_n = _overlapped_tile(
+                    j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
+                    s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
+                    window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
+                    full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                    mask_smem, bias_smem, CONSUMER, EXPLICIT, True, KEYS, HAS_MASK, MASK_TMA,
+                    MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
+                    BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
                             is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(kv_free.index(NUM_BUF + last))
-    for j in range(num_tiles, num_tiles_cta):
-        # loaded for the other consumer: release it once V is there (and K: the producer
-        # rewrites it only once the other consumer, which waits for it, released it too)
-        mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
-        mbarrier.arrive(kv_free.index(j % NUM_BUF))
-        mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
+    _release_steps(num_tiles, num_tiles_cta, v_ready, kv_free, NUM_BUF)
 
     seen = l_i > 0.0
     l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
@@ -360,16 +399,18 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 
 @gluon.jit
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                     s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_right,
-                     qk_scale_log2, num_tiles, num_part, part_list, full_list, mask_rows, stride_mm,
-                     stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
+                     s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
+                     window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
+                     full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                     mask_smem, bias_smem,
                      CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr, MASKED: gl.constexpr,
                      KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                      MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
-                     BIAS_COLS_SHARED: gl.constexpr, HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr,
-                     EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, s_layout: gl.constexpr,
+                     BIAS_COLS_SHARED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NUM_BUF: gl.constexpr, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
     softmax of S_j runs while the second matmul is on the tensor cores. K_j's buffer goes back
@@ -377,8 +418,8 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     the mask, applies the KEYS predicate). Returns the next step's key start, read a step ahead
     like the mask / bias tiles, whose loads are issued before the waits (MASK_TMA / BIAS_TMA:
     the producer's tiles are read while the matmuls run)."""
-    next_n = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
-                      EXPLICIT) * BLOCK_N
+    next_n = (first_tile + _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list,
+                                    full_list, EXPLICIT)) * BLOCK_N
     keep, bias = _elementwise_tiles(
         start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
         seqlen_k - start_n, s_layout, MASKED and HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
@@ -407,9 +448,9 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
     mbarrier.arrive(kv_free.index(buf))  # K_j (and the step's mask / bias tiles, read above)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
-                                       diag_offset, window_right, qk_scale_log2, keep, bias,
-                                       KEYS, MASKED and HAS_MASK and not TERMS, HAS_BIAS or TERMS,
-                                       HAS_RIGHT, EXPLICIT, BLOCK_N)
+                                       diag_offset, window_left, window_right, qk_scale_log2,
+                                       keep, bias, KEYS, MASKED and HAS_MASK and not TERMS,
+                                       HAS_BIAS or TERMS, HAS_LEFT, HAS_RIGHT, EXPLICIT, BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(NUM_BUF + prev))
@@ -424,10 +465,11 @@ def _fwd_hopper_kernel(
     stride_fnm, stride_fib, stride_fih, stride_fim, Mask, stride_mb, stride_mh, stride_mm,
     stride_mn, mask_head_div, mask_desc, mask_batch_rows, Bias, stride_bb, stride_bh, stride_bm,
     stride_bn, bias_head_div, bias_desc, bias_batch_rows, seqlen_q, seqlen_k, num_heads, group,
-    diag_offset, window_right, qk_scale_log2, HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr,
-    EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
-    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+    diag_offset, window_left, window_right, qk_scale_log2, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+    MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
+    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -447,14 +489,17 @@ def _fwd_hopper_kernel(
             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
         num_part = gl.load(part_num)
         num_tiles = num_part + gl.load(full_num)
+        first_tile = 0
     else:
         num_part = 0
         part_list = KvIdx
         full_list = FullKvIdx
-        # the producer loads the tiles the program's last row needs (the second consumer's)
-        last_row = gl.minimum(start_m + 2 * BLOCK_M, seqlen_q) - 1
-        num_tiles = gl.cdiv(_key_end(last_row, seqlen_k, diag_offset, window_right, HAS_RIGHT),
-                            BLOCK_N)
+        # the producer loads the tiles any of the program's rows needs: from the first row's
+        # first (the first consumer's) to the last row's last (the second's)
+        first_tile, _, _, end_tile = implicit_kv_range(
+            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right, 2 * BLOCK_M,
+            BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        num_tiles = end_tile - first_tile
     # int64: batch / head / row offsets of a (B, H, Sq, Sk) mask pass 2**31 elements
     mask_rows = Mask + off_b.to(gl.int64) * stride_mb \
         + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
@@ -485,21 +530,23 @@ def _fwd_hopper_kernel(
     gl.warp_specialize([
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
-                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-                   bias_smem, 0, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                   MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
-                   EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+                   window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
+                   part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
+                   stride_bn, mask_smem, bias_smem, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK,
+                   MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
+                   NUM_BUF, FLAT)),
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_right, qk_scale_log2, num_tiles, num_part, part_list, full_list,
-                   mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-                   bias_smem, 1, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                   MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
-                   EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+                   window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
+                   part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
+                   stride_bn, mask_smem, bias_smem, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK,
+                   MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
+                   NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                    kv_free, off_b, off_h, off_h // group, start_m, num_tiles, num_part,
-                    part_list, full_list, seqlen_q, seqlen_k, mask_desc, mask_smem,
+                    kv_free, off_b, off_h, off_h // group, start_m, first_tile, num_tiles,
+                    num_part, part_list, full_list, seqlen_q, seqlen_k, mask_desc, mask_smem,
                     off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
                     bias_desc, bias_smem,
                     off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
@@ -508,11 +555,12 @@ def _fwd_hopper_kernel(
 
 
 def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
-                             full_bias: torch.Tensor | None = None) -> bool:
+                             full_bias: torch.Tensor | None = None, lists: bool = False) -> bool:
     """Whether the Gluon forward can take calls on q's device, dtype and head dim with these
-    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, no left window; a
-    bias spanning (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts;
-    not turned off by OMNIATTN_GLUON=0."""
+    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, a left window only
+    without lists (`lists`: the call walks an explicit schedule); a bias spanning (Sq, Sk)
+    (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off by
+    OMNIATTN_GLUON=0."""
     if not gluon_enabled() or interpreting() or q.device.type != "cuda":
         return False
     if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
@@ -521,7 +569,7 @@ def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
             or hopper_forward_config(q.shape[-1], full_bias is not None) is None:
         return False
     return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0 \
-        and not args.has_left
+        and not (args.has_left and lists)
 
 
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -531,7 +579,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     that TMA can read and an explicit schedule, if any, at its tiles."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
-            or not hopper_forward_candidate(q, args, full_bias):
+            or not hopper_forward_candidate(q, args, full_bias, schedule is not None):
         return False
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
@@ -647,7 +695,7 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         *(bias.operands() if bias is not None else unused),
         *(bias_tma if bias_tma is not None else (q_desc, 0)),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
-        args.window_right, args.qk_scale_log2,
+        args.window_left, args.window_right, args.qk_scale_log2, HAS_LEFT=args.has_left,
         HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
         EXPLICIT=schedule is not None, **Elementwise.kernel_flags(mask, bias),
         MASK_TMA=mask_tma is not None, BIAS_TMA=bias_tma is not None,
