@@ -148,7 +148,6 @@ def main() -> None:
     # the forward takes tensor descriptors on Hopper; these CPU tensors would not say so
     fwd.tma_enabled = lambda device: True
     bwd_hopper.sm_count = lambda device: 132  # an H100's
-    bwd_hopper_wide.sm_count = bwd_hopper.sm_count
     q = torch.randn(2, opts.seqlen, 16, opts.head_dim, dtype=torch.bfloat16)
     k, v = (torch.randn(2, opts.seqlen, opts.heads_k, opts.head_dim, dtype=torch.bfloat16)
             for _ in range(2))

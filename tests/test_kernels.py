@@ -13,7 +13,7 @@ import torch
 
 from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
                      replace_backward_configs)
-from omniattn.kernels import bwd_hopper, bwd_hopper_wide, configs
+from omniattn.kernels import bwd_hopper, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
 from omniattn.kernels.schedule import KernelArgs
@@ -203,8 +203,7 @@ def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs, h
     """The causal Gluon backward runs its programs a group of (batch, KV head) pairs at a time;
     9 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is written
     and exact."""
-    for module in (bwd_hopper, bwd_hopper_wide):
-        monkeypatch.setattr(module, "causal_pairs_per_group", lambda *args: pairs)
+    monkeypatch.setattr(bwd_hopper, "causal_pairs_per_group", lambda *args: pairs)
     check_case(3, 300, 400, 6, 3, head_dim, torch.bfloat16, "causal", 0.0)
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 

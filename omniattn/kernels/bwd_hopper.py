@@ -743,6 +743,23 @@ def backward_row_stats(lse: torch.Tensor, block_m: int):
     return (stats, *stats.unbind(0))
 
 
+def key_tile_grid(n_tiles_n: int, num_pairs: int, longest_first: bool, device: torch.device):
+    """(grid, pairs_per_group) of a Gluon backward whose programs each own a key tile of a
+    (batch, KV head) pair: longest_first (causal), a 1-d grid the kernel maps to key tile 0s
+    first, pairs in groups of `causal_pairs_per_group`; else (key tiles, pairs)."""
+    if longest_first:
+        return (num_pairs * n_tiles_n,), causal_pairs_per_group(n_tiles_n, num_pairs,
+                                                                 sm_count(device))
+    return (n_tiles_n, num_pairs), num_pairs
+
+
+def stats_descriptor(row_stats: torch.Tensor, block_m: int):
+    """`backward_row_stats`' buffer as (2 * B * H, rows) in [1, block_m] boxes."""
+    rows = row_stats.view(-1, row_stats.shape[-1])
+    return tensor_descriptor(rows, list(rows.shape), list(rows.stride()), (1, block_m),
+                             _STATS_LAYOUT)
+
+
 def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     row_stats: torch.Tensor, dq_sum: torch.Tensor, args: KernelArgs,
                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -769,18 +786,12 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         dk_out = dv_out = None
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
                        dv)
-    n_tiles_n = cdiv(seqlen_k, cfg.block_n)
     longest_first = schedule is None and args.later_rows_see_more
     num_pairs = batch * num_heads_k
-    if longest_first:
-        grid = (num_pairs * n_tiles_n,)
-        pairs_per_group = causal_pairs_per_group(n_tiles_n, num_pairs, sm_count(q.device))
-    else:
-        grid, pairs_per_group = (n_tiles_n, num_pairs), num_pairs
+    grid, pairs_per_group = key_tile_grid(cdiv(seqlen_k, cfg.block_n), num_pairs, longest_first,
+                                          q.device)
     half_n = cfg.block_n // 2
-    stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
-    stats_desc = tensor_descriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
-                                   (1, cfg.block_m), _STATS_LAYOUT)
+    stats_desc = stats_descriptor(row_stats, cfg.block_m)
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)

@@ -18,10 +18,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_hopper import _STATS_LAYOUT, _async_reduce_add
+from .bwd_hopper import _async_reduce_add, key_tile_grid, stats_descriptor
 from .common import implicit_q_range
-from .configs import causal_pairs_per_group, cdiv, hopper_backward_config, sm_count
-from .fwd_hopper import _shared_layout, flat_launch, tensor_descriptor
+from .configs import cdiv, hopper_backward_config
+from .fwd_hopper import _descriptor, flat_launch
 from .launch import launch
 from .schedule import KernelArgs
 
@@ -371,18 +371,6 @@ def _bwd_wide_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _box_descriptor(t: torch.Tensor, flat: bool, cols: int = BOX):
-    """[64 rows, cols] boxes of a (B, S, H, D) tensor (flat: seen as (B * S, H * D))."""
-    batch, seqlen, heads, dim = t.shape
-    if flat:
-        block = (BOX, cols)
-        shape, strides = [batch * seqlen, heads * dim], [t.stride(1), 1]
-    else:
-        block = (1, BOX, 1, cols)
-        shape, strides = list(t.shape), list(t.stride())
-    return tensor_descriptor(t, shape, strides, block, _shared_layout(block, t.dtype))
-
-
 def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, row_stats: torch.Tensor, dq_sum: torch.Tensor,
                          args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
@@ -395,20 +383,14 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     cfg = hopper_backward_config(head_dim)  # 64 x 64 tiles: the kernel's boxes
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum)
-    n_tiles_n = cdiv(seqlen_k, cfg.block_n)
     longest_first = args.later_rows_see_more
     num_pairs = batch * num_heads_k
-    if longest_first:
-        grid = (num_pairs * n_tiles_n,)
-        pairs_per_group = causal_pairs_per_group(n_tiles_n, num_pairs, sm_count(q.device))
-    else:
-        grid, pairs_per_group = (n_tiles_n, num_pairs), num_pairs
-    stats_rows = row_stats.view(2 * batch * num_heads, row_stats.shape[-1])
-    stats_desc = tensor_descriptor(stats_rows, list(stats_rows.shape), list(stats_rows.stride()),
-                                   (1, cfg.block_m), _STATS_LAYOUT)
+    grid, pairs_per_group = key_tile_grid(cdiv(seqlen_k, cfg.block_n), num_pairs, longest_first,
+                                          q.device)
+    # [64, 64] boxes (dQ's: fp32 [64, 32])
     launch(_bwd_wide_kernel, grid,
-        _box_descriptor(q, flat), _box_descriptor(k, flat), _box_descriptor(v, flat),
-        _box_descriptor(dout, flat), _box_descriptor(dq_sum, flat, 32), stats_desc, dk, dv,
+        *(_descriptor(t, BOX, flat, BOX) for t in (q, k, v, dout)),
+        _descriptor(dq_sum, BOX, flat, 32), stats_descriptor(row_stats, cfg.block_m), dk, dv,
         *dk.stride(), *dv.stride(), seqlen_q, seqlen_k, num_heads_k, num_heads // num_heads_k,
         batch * num_heads, seqlen_k - seqlen_q, args.window_left, args.window_right,
         args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group,
