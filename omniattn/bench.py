@@ -28,7 +28,7 @@ from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import forward_config, interpreting, switches
 
 MODES = ("fwd", "fwd+bwd")
-SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows")
+SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window")
 # densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
 # reference their times scale against
 SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
@@ -40,9 +40,9 @@ DYNAMIC_BIASES = {"full": "(B, H, Sq, Sk)", "key": "(B, H, 1, Sk)"}
 # sees keys [0, lengths[b, i])
 ROW_LENGTHS = {"uniform": "uniform in [1, Sk]", "progressive": "i + 1"}
 # SDPA gets a dynamic workload's mask and bias as one float attn_mask, differentiable under its
-# efficient and math backends, and a rows workload's lengths as a bool attn_mask; flash takes no
-# attn_mask, and issue #4's SDPA baseline is the efficient backend, so flash and cuDNN get no row
-# on a dynamic or a rows workload
+# efficient and math backends, and a rows or window workload's mask as a bool attn_mask; flash
+# takes no attn_mask, and issue #4's SDPA baseline is the efficient backend, so flash and cuDNN
+# get no row on a dynamic, rows or window workload
 ELEMENT_MASK_PROVIDERS = ("omniattn", "flex", "sdpa-efficient", "sdpa-math")
 # backward = 2.5x forward FLOPs (FlashAttention's convention: 5 matmuls against 2)
 _FWD_BWD_FLOP_FACTOR = 3.5
@@ -57,7 +57,8 @@ class Workload:
     dynamic workload): a top-k element mask keeping `topk` keys per query row, within causal if
     `causal` (see `workload_keep_mask`), plus a learnable `bias` named in DYNAMIC_BIASES (see
     `workload_bias`). `row_lengths` set (a rows workload): per-row key lengths named in
-    ROW_LENGTHS are the only mask (see `workload_row_lengths`)."""
+    ROW_LENGTHS are the only mask (see `workload_row_lengths`). `window` set (a window
+    workload): attention's window (left, right), -1 unbounded, is the only mask."""
 
     name: str
     batch: int
@@ -73,6 +74,7 @@ class Workload:
     topk: int | None = None
     bias: str | None = None
     row_lengths: str | None = None
+    window: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.density is not None and not 0 < self.density <= 1:
@@ -101,6 +103,15 @@ class Workload:
                 # the tile counts (`row_lengths_pairs`) are those of the lengths alone
                 raise ValueError(f"{self.name}: a rows workload's lengths are its only mask; "
                                  f"causal must be False (progressive lengths are causal's)")
+        if self.window is not None:
+            if len(self.window) != 2 or min(self.window) < -1:
+                raise ValueError(f"{self.name}: window must be (left, right), each -1 "
+                                 f"(unbounded) or more, got {self.window}")
+            if self.causal or self.density is not None or self.topk is not None \
+                    or self.row_lengths is not None:
+                raise ValueError(f"{self.name}: a window workload's window is its only mask; "
+                                 f"no causal (a right bound of 0 is causal), density, topk or "
+                                 f"row_lengths")
 
 
 def _dense_and_causal(shapes, heads: int, head_dim: int, dtype: torch.dtype,
@@ -172,8 +183,27 @@ def _rows_suite(cuda: bool) -> list[Workload]:
                       for lengths in ROW_LENGTHS]
 
 
+def _window_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        batch, seqlen, heads, dtype = 2, 8192, 16, torch.bfloat16
+        shapes = [(1024, 0, heads, 128), (512, 512, heads, 128), (1024, 0, 4, 128),
+                  (1024, 0, heads, 256)]
+    else:
+        batch, seqlen, heads, dtype = 1, 256, 4, torch.float32
+        shapes = [(64, 0, heads, 64), (32, 32, heads, 64)]
+    workloads = []
+    for left, right, heads_k, head_dim in shapes:
+        kind = f"sliding{left}" if right == 0 else f"window{left}-{right}"
+        name = f"{kind}-b{batch}-s{seqlen}" + (f"-hk{heads_k}" if heads_k != heads else "") \
+            + f"-d{head_dim}"
+        workloads.append(Workload(name, batch, seqlen, seqlen, heads, heads_k, head_dim, False,
+                                  dtype, window=(left, right)))
+    return workloads
+
+
 _SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
-                   "headdim": _headdim_suite, "dynamic": _dynamic_suite, "rows": _rows_suite}
+                   "headdim": _headdim_suite, "dynamic": _dynamic_suite, "rows": _rows_suite,
+                   "window": _window_suite}
 
 
 def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
@@ -186,7 +216,9 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     dynamic: causal 4k B2 H16 D128 under a causal top-k mask keeping 1024 keys per row, with a
     full or a key bias (Dynamic Mask Attention, issue #4);
     rows: 8k B2 H16 D128, dense, then per-row key lengths (seqlens_k_per_row, not causal) each
-    of ROW_LENGTHS: uniform in [1, Sk] per row, and i + 1 (causal's pattern: whole tiles skipped).
+    of ROW_LENGTHS: uniform in [1, Sk] per row, and i + 1 (causal's pattern: whole tiles skipped);
+    window: 8k B2 H16 under a sliding window (1024, 0) at D128, GQA 16/4 and D256, and a local
+    one (512, 512) at D128.
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
     numbers say nothing about the GPU kernels)."""
     cuda = torch.device(device).type == "cuda"
@@ -260,6 +292,16 @@ def workload_row_lengths(workload: Workload,
     return lengths.clamp(max=seqlen_k).expand(shape).contiguous()
 
 
+def window_visible(q_idx, kv_idx, seqlen_q: int, seqlen_k: int, window: tuple[int, int]):
+    """Whether query q_idx sees key kv_idx under attention's window (left, right) about the
+    bottom-right aligned diagonal, -1 unbounded (tensors broadcast; also a Flex mask_mod's
+    body)."""
+    left, right = window
+    offset = kv_idx - q_idx - (seqlen_k - seqlen_q)  # the key's offset from the row's diagonal
+    visible = offset <= right if right >= 0 else offset == offset
+    return visible & (offset >= -left) if left >= 0 else visible
+
+
 class ExtraInputs:
     """What one workload adds to q, k, v, built once per workload and shared by every provider
     and mode (omniattn caches its block-mask schedule on the BlockMask; the 4k keep mask and full
@@ -298,10 +340,20 @@ class ExtraInputs:
         return (keys < self.row_lens[..., None]).unsqueeze(1)
 
     @functools.cached_property
+    def sdpa_window_mask(self) -> torch.Tensor:
+        """SDPA's form of the window: bool (1, 1, Sq, Sk) attn_mask, materialised (64 MB at 8k),
+        broadcast over batch and heads."""
+        w = self.workload
+        return window_visible(torch.arange(w.seqlen_q, device=self.device)[:, None],
+                              torch.arange(w.seqlen_k, device=self.device), w.seqlen_q,
+                              w.seqlen_k, w.window)[None, None]
+
+    @functools.cached_property
     def flex_block_mask(self):
         """FlexAttention's form of the mask: the block mask converted, the keep mask as a
         mask_mod (causal included, see `workload_keep_mask`), the row lengths as a mask_mod
-        (one mask for every head), or bottom-right causal; None for a dense workload."""
+        (one mask for every head), the window or bottom-right causal as a mask_mod; None for
+        a dense workload."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         workload = self.workload
@@ -322,6 +374,13 @@ class ExtraInputs:
                 return kv_idx < lens[b, q_idx]
 
             return create_block_mask(within_row_length, workload.batch, None, workload.seqlen_q,
+                                     workload.seqlen_k, device=self.device)
+        if workload.window is not None:
+            def in_window(b, h, q_idx, kv_idx):
+                return window_visible(q_idx, kv_idx, workload.seqlen_q, workload.seqlen_k,
+                                      workload.window)
+
+            return create_block_mask(in_window, None, None, workload.seqlen_q,
                                      workload.seqlen_k, device=self.device)
         if workload.causal:
             diag_offset = workload.seqlen_k - workload.seqlen_q
@@ -352,9 +411,9 @@ def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> B
     # check_inputs=False: the values it checks are the row lengths', in range by construction
     # (`workload_row_lengths`); checking them syncs with the host on every timed call
     def run(q, k, v):
-        return omniattn.attention(q, k, v, causal=workload.causal, block_mask=block_mask,
-                                  attn_mask=keep, attn_bias=bias, seqlens_k_per_row=row_lens,
-                                  check_inputs=False)
+        return omniattn.attention(q, k, v, causal=workload.causal, window=workload.window,
+                                  block_mask=block_mask, attn_mask=keep, attn_bias=bias,
+                                  seqlens_k_per_row=row_lens, check_inputs=False)
 
     return BuiltAttention(run, extra.learnable)
 
@@ -369,9 +428,11 @@ def _sdpa(backend, cuda_only: bool):
         if cuda_only and device.type != "cuda":
             raise RuntimeError("benchmarked on CUDA only")
         # a dynamic workload's float mask hides what causal hides (SDPA takes no attn_mask
-        # together with is_causal); a rows workload's bool mask is its only mask (never causal)
+        # together with is_causal); a rows or window workload's bool mask is its only mask
+        # (never causal)
         attn_mask = extra.sdpa_mask if extra.keep is not None \
-            else extra.sdpa_row_mask if extra.row_lens is not None else None
+            else extra.sdpa_row_mask if extra.row_lens is not None \
+            else extra.sdpa_window_mask if workload.window is not None else None
         is_causal = workload.causal and attn_mask is None
         # SDPA's is_causal is top-left aligned; it equals omniattn's bottom-right causal only here
         if is_causal and workload.seqlen_q != workload.seqlen_k:
@@ -445,19 +506,30 @@ def default_providers(device: str | torch.device) -> tuple[str, ...]:
     return ("omniattn", "sdpa-math")
 
 
-def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int) -> int:
+def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int,
+                   window: tuple[int, int] | None = None) -> int:
     """(query, key) pairs inside the key tiles the forward kernel visits, rows clipped to Sq and
-    keys to Sk. Causal is bottom-right aligned: query tile m visits key tile n iff
-    n * block_n <= min((m + 1) * block_m, Sq) - 1 + Sk - Sq."""
+    keys to Sk. Causal and windows (left, right; -1 unbounded) are bottom-right aligned: query
+    tile m visits the key tiles from the one holding its first row's first key to the one
+    holding its last row's last key (causal: n * block_n <= min((m + 1) * block_m, Sq) - 1 +
+    Sk - Sq)."""
+    left, right = _window_bounds(causal, window)
+    diag = seqlen_k - seqlen_q
     pairs = 0
     for start_m in range(0, seqlen_q, block_m):
         end_m = min(start_m + block_m, seqlen_q)
-        keys = seqlen_k
-        if causal:
-            key_hi = min(max(end_m + seqlen_k - seqlen_q, 0), seqlen_k)  # keys seen by the last row
-            keys = min(triton.cdiv(key_hi, block_n) * block_n, seqlen_k)
-        pairs += (end_m - start_m) * keys
+        key_lo = max(start_m + diag - left, 0) if left >= 0 else 0  # first row's first key
+        key_hi = min(max(end_m + diag + right, 0), seqlen_k) if right >= 0 else seqlen_k
+        first = key_lo // block_n * block_n
+        end = min(triton.cdiv(key_hi, block_n) * block_n, seqlen_k)
+        pairs += (end_m - start_m) * max(end - first, 0)
     return pairs
+
+
+def _window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """(left, right) of attention's causal and window together, -1 unbounded."""
+    left, right = window if window is not None else (-1, -1)
+    return left, (0 if right < 0 else min(right, 0)) if causal else right
 
 
 def block_mask_pairs(block_mask: omniattn.BlockMask) -> float:
@@ -525,11 +597,18 @@ def row_lengths_pairs(row_lens: torch.Tensor, seqlen_k: int, block_m: int, block
     return pairs, exact, key_tiles.sum().item() / (batch * n_q * n_k)
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """(query, key) pairs the mask lets through: Sq * Sk dense, the bottom-right triangle causal."""
-    if not causal:
-        return seqlen_q * seqlen_k
-    return sum(min(max(i + 1 + seqlen_k - seqlen_q, 0), seqlen_k) for i in range(seqlen_q))
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool,
+                  window: tuple[int, int] | None = None) -> int:
+    """(query, key) pairs the mask lets through: Sq * Sk dense, the bottom-right triangle causal,
+    the band of a window (left, right; -1 unbounded) about the bottom-right diagonal."""
+    left, right = _window_bounds(causal, window)
+    diag = seqlen_k - seqlen_q
+    pairs = 0
+    for i in range(seqlen_q):
+        first = max(i + diag - left, 0) if left >= 0 else 0
+        end = min(max(i + diag + right + 1, 0), seqlen_k) if right >= 0 else seqlen_k
+        pairs += max(end - first, 0)
+    return pairs
 
 
 def _flops(workload: Workload, pairs: int, mode: str) -> float:
@@ -587,7 +666,8 @@ def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str,
     """The providers that run the workload: those that take its kind of mask."""
     if workload.density is not None:
         runnable = BLOCK_MASK_PROVIDERS
-    elif workload.topk is not None or workload.row_lengths is not None:
+    elif workload.topk is not None or workload.row_lengths is not None \
+            or workload.window is not None:
         runnable = ELEMENT_MASK_PROVIDERS
     else:
         return providers
@@ -612,10 +692,12 @@ def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float 
             workload.seqlen_q, workload.head_dim, workload.dtype)
         return row_lengths_pairs(extra.row_lens, workload.seqlen_k, tile.block_m, tile.block_n,
                                  grouped)
-    tile = forward_config(workload.head_dim, workload.dtype, masked=workload.causal)
+    masked = workload.causal or workload.window is not None
+    tile = forward_config(workload.head_dim, workload.dtype, masked=masked)
     pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, tile.block_m,
-                           tile.block_n)
-    return pairs, visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal), None
+                           tile.block_n, workload.window)
+    exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, workload.window)
+    return pairs, exact, None
 
 
 def _workload_fields(workload: Workload) -> dict:
@@ -787,6 +869,10 @@ def format_table(results: list[dict]) -> str:
                   f"{r['bias']} bias {DYNAMIC_BIASES[r['bias']]}"
                   for name, r in dynamic.items()]
     lines += _rows_notes(results)
+    if any(r.get("window") is not None for r in results):
+        lines += ["", f"sliding<left> / window<left>-<right>: attention's window=(left, right) "
+                      f"about the bottom-right diagonal is the only mask; only "
+                      f"{', '.join(ELEMENT_MASK_PROVIDERS)} run them (SDPA on a bool mask)"]
     return "\n".join(lines)
 
 
@@ -804,7 +890,8 @@ def _rows_notes(results: list[dict]) -> list[str]:
         return []
     dense_ms = {(_shape_key(r), r["mode"]): r["ms"] for r in results
                 if r["provider"] == "omniattn" and r["ms"] is not None and not r["causal"]
-                and r["density"] is None and r["topk"] is None and r["row_lengths"] is None}
+                and r["density"] is None and r["topk"] is None and r["row_lengths"] is None
+                and r.get("window") is None}
     lines = ["", f"rows-<lengths>: per-row key lengths (seqlens_k_per_row), not causal; only "
                  f"{', '.join(ELEMENT_MASK_PROVIDERS)} run them; ratio = omniattn ms / (dense "
                  f"ms x active tile fraction), to stay <= 1.1"]

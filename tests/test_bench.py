@@ -32,6 +32,11 @@ def _tiny_rows(name, lengths, batch=2):
                           row_lengths=lengths)
 
 
+def _tiny_window(name, window):
+    """B1 H2 S64 D16 fp32, attention's window its only mask."""
+    return bench.Workload(name, 1, 64, 64, 2, 2, 16, False, torch.float32, window=window)
+
+
 def _brute_force_pairs(blocks: torch.Tensor, block_size: int, seqlen_q: int, seqlen_k: int) -> int:
     """Visible (query, key) elements of a (1, 1, nQ, nK) block picture, one element at a time."""
     return sum(bool(blocks[0, 0, i // block_size, j // block_size])
@@ -167,6 +172,50 @@ def test_rows_providers_agree(reference_path):
         torch.testing.assert_close(ours, sdpa)
 
 
+@pytest.mark.parametrize("seq_lengths", [(64, 64), (50, 70), (70, 45)], ids=str)
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (20, 0)), (False, (9, 13)),
+                                            (True, (30, 40)), (False, (-1, 5)), (False, None)],
+                         ids=str)
+def test_window_pairs_match_brute_force(seq_lengths, causal, window):
+    """visible_pairs counts the band element by element; computed_pairs the (16 x 32) tiles
+    from each query tile's first visible key tile to its last."""
+    seqlen_q, seqlen_k = seq_lengths
+    rows, keys = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)
+    visible = bench.window_visible(rows, keys, seqlen_q, seqlen_k, window or (-1, -1))
+    if causal:
+        visible &= keys <= rows + seqlen_k - seqlen_q
+    assert bench.visible_pairs(seqlen_q, seqlen_k, causal, window) == visible.sum().item()
+    pairs = 0
+    for start in range(0, seqlen_q, 16):
+        seen = visible[start:start + 16].any(0).nonzero()
+        if len(seen):
+            first = seen.min().item() // 32 * 32
+            end = min(-(-(seen.max().item() + 1) // 32) * 32, seqlen_k)
+            pairs += min(16, seqlen_q - start) * (end - first)
+    assert bench.computed_pairs(seqlen_q, seqlen_k, causal, 16, 32, window) == pairs
+
+
+def test_window_providers_agree(reference_path):
+    """omniattn (window=) and SDPA math (its bool mask) compute the same output and gradients;
+    the workload's flops count the band."""
+    workload = _tiny_window("window", (9, 4))
+    extra = bench.ExtraInputs(workload, "cpu")
+    assert extra.sdpa_window_mask.shape == (1, 1, 64, 64)
+    assert extra.sdpa_window_mask.sum().item() == bench.visible_pairs(64, 64, False, (9, 4))
+    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    results = []
+    for provider in ("omniattn", "sdpa-math"):
+        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
+    for ours, sdpa in zip(*results):
+        torch.testing.assert_close(ours, sdpa)
+    row = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
+                          device="cpu")[0]
+    assert row["window"] == (9, 4)
+    assert row["flops_exact"] == 4 * 2 * 16 * bench.visible_pairs(64, 64, False, (9, 4))
+    assert "window<left>-<right>" in bench.format_table([row])
+
+
 def test_rows_workloads_skip_sdpa_flash_and_cudnn(reference_path):
     workload = _tiny_rows("rows", "progressive")
     assert bench._providers_for(workload, bench.PROVIDERS) == (
@@ -268,6 +317,18 @@ def test_rows_workload_validation(causal, fields, match):
         bench.Workload("bad", 1, 64, 64, 2, 2, 16, causal, torch.float32, **fields)
 
 
+@pytest.mark.parametrize("causal, fields, match", [
+    (True, dict(window=(16, 0)), "only mask"),
+    (False, dict(window=(16, 0), density=0.5), "only mask"),
+    (False, dict(window=(16, 0), row_lengths="uniform"), "only mask"),
+    (False, dict(window=(-2, 0)), "window must be"),
+    (False, dict(window=(16,)), "window must be"),
+])
+def test_window_workload_validation(causal, fields, match):
+    with pytest.raises(ValueError, match=match):
+        bench.Workload("bad", 1, 64, 64, 2, 2, 16, causal, torch.float32, **fields)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_every_suite_constructs(device):
     suites = {suite: bench.default_workloads(device, suite) for suite in bench.SUITES}
@@ -282,6 +343,7 @@ def test_every_suite_constructs(device):
     assert [w.bias for w in suites["dynamic"]] == list(bench.DYNAMIC_BIASES)
     assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
     assert [w.row_lengths for w in suites["rows"]] == [None, *bench.ROW_LENGTHS]
+    assert all(w.window is not None and not w.causal for w in suites["window"])
     assert len({(w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.head_dim, w.dtype, w.causal)
                 for w in suites["rows"]}) == 1  # the dense reference has the lengths' shape
     if device == "cpu":  # masks build here only on the CPU
@@ -331,6 +393,18 @@ def test_rows_suite_on_gpu():
         ("rows-uniform-b2-s8192", 2, 8192, 8192, 16, 16, 128, torch.bfloat16, False, "uniform"),
         ("rows-progressive-b2-s8192", 2, 8192, 8192, 16, 16, 128, torch.bfloat16, False,
          "progressive"),
+    ]
+
+
+def test_window_suite_on_gpu():
+    """8k B2 H16 bf16: sliding (1024, 0) at D128, GQA 16/4 and D256; local (512, 512) at D128."""
+    window = bench.default_workloads("cuda", "window")
+    assert [(w.name, w.batch, w.seqlen_q, w.heads, w.heads_k, w.head_dim, w.dtype, w.window)
+            for w in window] == [
+        ("sliding1024-b2-s8192-d128", 2, 8192, 16, 16, 128, torch.bfloat16, (1024, 0)),
+        ("window512-512-b2-s8192-d128", 2, 8192, 16, 16, 128, torch.bfloat16, (512, 512)),
+        ("sliding1024-b2-s8192-hk4-d128", 2, 8192, 16, 4, 128, torch.bfloat16, (1024, 0)),
+        ("sliding1024-b2-s8192-d256", 2, 8192, 16, 16, 256, torch.bfloat16, (1024, 0)),
     ]
 
 

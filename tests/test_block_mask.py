@@ -165,6 +165,59 @@ def test_gluon_with_block_mask(gluon_calls, seqlens):
     assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
 
 
+# (Sq, Sk, window, block size, attention's causal): masks whose PARTIAL blocks apply their own
+# causal / window predicate, no bitmaps
+PREDICATE_BLOCK_MASKS = [
+    (1000, 1300, (-1, 0), 128, False),
+    (1000, 1300, (300, 0), 128, False),
+    (1024, 768, (250, 170), 128, False),  # Sq > Sk: the first rows see no key
+    (777, 1029, (300, 0), (256, 128), True),  # attention's causal adds nothing to the mask's
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", PREDICATE_BLOCK_MASKS, ids=case_id)
+def test_gluon_with_predicate_block_mask(gluon_calls, case):
+    """Causal / window block masks at blocks the Gluon tiles divide run their forward lists in
+    the Gluon kernel, the predicate (left bounds included) in the PARTIAL tiles; the backward
+    is bwd.py's. Fails if either pass took the other path."""
+    seqlen_q, seqlen_k, window, block_size, causal = case
+    mask = omniattn.window_block_mask(seqlen_q, seqlen_k, window, block_size=block_size,
+                                      device=DEVICE)
+    torch.manual_seed(seqlen_q)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, causal=causal, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    visible = element_visibility(mask) & predicate(seqlen_q, seqlen_k, causal, None)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
+    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("window", [(-1, 0), (300, 0)], ids=str)
+def test_gluon_with_full_blocks_outside_the_predicate(gluon_calls, window):
+    """FULL blocks need no predicate, also where the mask's own causal / window predicate would
+    hide keys: a first key block FULL for every query block (beside the window's left edge), a
+    first query block FULL everywhere (its rows' first step is FULL) and keys past Sk in the
+    last block. The Gluon forward applies the predicate to the PARTIAL tiles only."""
+    seqlen_q, seqlen_k = 700, 1000
+    states = RelativePredicate.make(False, window).classify(seqlen_q, seqlen_k, 128, 128,
+                                                            device=DEVICE)
+    states[:, 0] = FULL
+    states[0, :] = FULL
+    mask = BlockMask.from_states(states[None, None], 128, (seqlen_q, seqlen_k), window=window)
+    torch.manual_seed(3)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
+    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+
+
 @pytest.mark.parametrize("block_size", [16, 32, (32, 16)], ids=str)
 def test_causal_block_mask_equals_causal(block_size):
     """The mask's own predicate runs in its PARTIAL blocks: no causal=True needed."""

@@ -29,7 +29,7 @@ from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
-                         by_tma, flat_launch, hopper_forward_candidate, producer_tiles,
+                         by_tma, flat_launch, gluon_candidate, producer_tiles,
                          tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
@@ -699,25 +699,26 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             schedule: TileLists | None = None, mask: Elementwise | None = None,
                             bias: Elementwise | None = None, bias_grad: bool = False) -> bool:
     """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
-    `bwd_hopper_wide`'s, which takes no lists, masks or biases): where the Gluon forward could
-    (device, dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim it has tiles for,
+    `bwd_hopper_wide`'s, which takes no lists, masks or biases): a `gluon_candidate` (device,
+    dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim it has tiles for,
     q / k / v / dO aligned for TMA, transposed lists (if any) at its tiles and from an element
     mask, and a bias gradient it writes: any but that of a (Sq, Sk) bias shared by several query
-    heads (its sum over them is bwd.py's). The caller excludes what `hopper_forward_candidate`
-    does not see (bitmaps, lengths, packing, dropout, determinism)."""
+    heads (its sum over them is bwd.py's). The caller excludes what `gluon_candidate` does not
+    see (bitmaps, lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
-    if cfg is None or q.dim() != 4 \
-            or not hopper_forward_candidate(q, args, lists=schedule is not None):
+    if cfg is None or q.dim() != 4 or not gluon_candidate(q, args):
         return False
     if hopper_backward_splits_head_dim(q.shape[-1]) \
             and (schedule is not None or mask is not None or bias is not None):
         return False
-    # left windows at D128 without GQA stay in bwd.py: its programs of 128 keys see few query
-    # tiles. H100, bf16, B1 H16 8k, fwd+bwd ms with the Gluon / Triton backward (2026-11-24):
-    # window (1024, 0) 0.890 / 0.723, (512, 512) 0.784 / 0.741; GQA 16/4 B2 4k (1024, 0) 0.664
-    # / 0.773; D256 8k (1024, 0) 1.510 / 2.076
-    if args.has_left and not hopper_backward_splits_head_dim(q.shape[-1]) \
-            and q.shape[2] == k.shape[2]:
+    # implicit left windows at D128 without GQA stay in bwd.py: the Gluon kernel is faster, but
+    # its fp32 dQ pass (zeroed by the pre-pass, converted after) costs as much on short rows.
+    # H100, bf16, B4 H16 8k, GPU ms of fwd+bwd (kernel) with the Gluon / Triton backward
+    # (2026-11-24): window (1024, 0) 2.675 (1.764) / 2.736 (2.030), (512, 512) 2.717 (1.795) /
+    # 2.681 (1.989); B1 16k (1024, 0) 1.376 / 1.399. With an element mask's lists it wins: a
+    # 75% random mask + key bias, (1024, 0), B2 H16 4k, 0.893 (0.472) / 1.042 (0.676)
+    if args.has_left and schedule is None and q.shape[2] == k.shape[2] \
+            and not hopper_backward_splits_head_dim(q.shape[-1]):
         return False
     # lists of whole-block masks stay in bwd.py. H100, 16k B1 H16, backward GPU ms at density
     # 1 / .5 / .26 / .11: Gluon 13.15 / 6.81 / 3.68 / 1.78, Triton 12.55 / 6.93 / 3.57 / 1.55;

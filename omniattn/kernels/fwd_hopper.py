@@ -8,7 +8,7 @@ expose). It also runs element masks, biases and bitmap-free block masks: the key
 from the schedule's lists (PARTIAL tiles first, then FULL ones). A byte mask and a 2-byte bias
 spanning (Sq, Sk) come by TMA with K (the producer's), their broadcast forms by each consumer's
 loads straight into the scores' layout; either is read while the wgmmas run. Row lengths, packing,
-dropout, softcap, left windows with lists and block-mask bitmaps run in `fwd.py`."""
+dropout, softcap and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
 import functools
@@ -180,8 +180,9 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, w
                   MASK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
-    alpha). KEYS: drop keys past Sk and outside each row's window (explicit schedules, which
-    have no left bound: only in tiles that reach past key_full, the first row's key end);
+    alpha). KEYS: drop keys past Sk and outside each row's window (explicit schedules without
+    a left bound: only in tiles that reach past key_full, the first row's key end; with one, in
+    every PARTIAL tile, as the left edges cut tiles anywhere before it);
     MASK: drop the keys whose `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with
     none of these is seen whole by every row: its row max is finite and needs no -inf guard.
     Each term is its own select (a predicate each): ANDing them first kept the booleans in
@@ -197,7 +198,7 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, w
         if MASK:
             z = gl.where(keep != 0, z, float("-inf"))
         if KEYS:
-            if EXPLICIT:
+            if EXPLICIT and not HAS_LEFT:
                 if start_n + BLOCK_N > key_full:
                     z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset,
                                            window_left, window_right, HAS_LEFT, HAS_RIGHT,
@@ -331,8 +332,16 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             bias = bias_smem.index(first_buf * 2 + CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(kv_free.index(first_buf))
+        step0_left = window_left
+        step0_right = window_right
+        if EXPLICIT:
+            if num_part == 0:
+                # a FULL first step drops only the keys past Sk: a block mask's FULL tiles may
+                # lie outside its predicate
+                step0_left = seqlen_q + seqlen_k
+                step0_right = seqlen_q + seqlen_k
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
-                                           diag_offset, window_left, window_right, qk_scale_log2,
+                                           diag_offset, step0_left, step0_right, qk_scale_log2,
                                            keep, bias, KEYS, HAS_MASK, HAS_BIAS, HAS_LEFT,
                                            HAS_RIGHT, EXPLICIT, BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -349,7 +358,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                     BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
                     HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
         for j in range(gl.maximum(left_end, first + 1), whole_end):
-            # FULL tiles of an explicit schedule may still run past Sk
+            # FULL tiles of an explicit schedule may still run past Sk (that is their only
+            # term: no window's, as a block mask's may lie outside its predicate)
             acc, p_op, m_i, l_i, next_n = _overlapped_tile(
                 j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                 s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
@@ -357,7 +367,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
                 mask_smem, bias_smem, CONSUMER, EXPLICIT, False, EXPLICIT and not EVEN_N,
                 HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
-                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M,
+                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, False, False, EVEN_M, EVEN_N, BLOCK_M,
                 BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
         if not EXPLICIT:
             # the tiles cut by the windows' right edges or by Sk
@@ -555,12 +565,21 @@ def _fwd_hopper_kernel(
 
 
 def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
-                             full_bias: torch.Tensor | None = None, lists: bool = False) -> bool:
+                             full_bias: torch.Tensor | None = None) -> bool:
     """Whether the Gluon forward can take calls on q's device, dtype and head dim with these
-    arguments: sm90, bf16 / fp16, a head dim it has tiles for, no softcap, a left window only
-    without lists (`lists`: the call walks an explicit schedule); a bias spanning (Sq, Sk)
-    (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off by
-    OMNIATTN_GLUON=0."""
+    arguments: a `gluon_candidate`, with a left window bound only at head dim 128."""
+    # with a left window bound, the D256 kernel (64-key tiles, 2 buffers) faulted ("unspecified
+    # launch failure") in back-to-back calls: H100, B2 H16 8k / B1 16k, window (1024, 0), within
+    # 130 calls; not at 4k or with (4096, 0), nor at D128. Until found, fwd.py runs them
+    return gluon_candidate(q, args, full_bias) and not (args.has_left and q.shape[-1] > 128)
+
+
+def gluon_candidate(q: torch.Tensor, args: KernelArgs,
+                    full_bias: torch.Tensor | None = None) -> bool:
+    """Whether the Gluon kernels can take calls on q's device, dtype and head dim with these
+    arguments: sm90, bf16 / fp16, a head dim they have tiles for, no softcap; a bias spanning
+    (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off
+    by OMNIATTN_GLUON=0."""
     if not gluon_enabled() or interpreting() or q.device.type != "cuda":
         return False
     if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
@@ -568,8 +587,7 @@ def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
     if compute_capability(q.device)[0] != 9 \
             or hopper_forward_config(q.shape[-1], full_bias is not None) is None:
         return False
-    return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0 \
-        and not (args.has_left and lists)
+    return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0
 
 
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -579,7 +597,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     that TMA can read and an explicit schedule, if any, at its tiles."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
-            or not hopper_forward_candidate(q, args, full_bias, schedule is not None):
+            or not hopper_forward_candidate(q, args, full_bias):
         return False
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
