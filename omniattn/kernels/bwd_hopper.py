@@ -537,6 +537,27 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
 
 
 @gluon.jit
+def key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group, BLOCK_N: gl.constexpr,
+                     LONGEST_FIRST: gl.constexpr):
+    """(key tile, batch, KV head) of this program of a `key_tile_grid` launch."""
+    if LONGEST_FIRST:
+        # causal (a 1-d grid): key tile 0 has the most query tiles. The (batch, KV head) pairs
+        # go in groups of about a wave of programs, tile 0s first, so the programs that read a
+        # pair's q / dO rows and add into its dQ run together (`causal_pairs_per_group`)
+        num_tiles_n = gl.cdiv(seqlen_k, BLOCK_N)
+        pid = gl.program_id(0)
+        first_pair = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
+        group_len = gl.minimum(pairs_per_group, num_pairs - first_pair)
+        rank = pid - first_pair * num_tiles_n
+        tile_n = rank // group_len
+        off_bh = first_pair + rank % group_len
+    else:
+        tile_n = gl.program_id(0)
+        off_bh = gl.program_id(1)
+    return tile_n, off_bh // num_heads_k, off_bh % num_heads_k
+
+
+@gluon.jit
 def _bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
     num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
@@ -557,22 +578,8 @@ def _bwd_hopper_kernel(
     NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    if LONGEST_FIRST:
-        # causal (a 1-d grid): key tile 0 has the most query tiles. The (batch, KV head) pairs
-        # go in groups of about a wave of programs, tile 0s first, so the programs that read a
-        # pair's q / dO rows and add into its dQ run together (`causal_pairs_per_group`)
-        num_tiles_n = gl.cdiv(seqlen_k, BLOCK_N)
-        pid = gl.program_id(0)
-        first_pair = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
-        group_len = gl.minimum(pairs_per_group, num_pairs - first_pair)
-        rank = pid - first_pair * num_tiles_n
-        tile_n = rank // group_len
-        off_bh = first_pair + rank % group_len
-    else:
-        tile_n = gl.program_id(0)
-        off_bh = gl.program_id(1)
-    off_b = off_bh // num_heads_k
-    off_hk = off_bh % num_heads_k
+    tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
+                                             BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
     num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
     diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)

@@ -18,7 +18,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_hopper import _async_reduce_add, key_tile_grid, stats_descriptor
+from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program,
+                         stats_descriptor)
 from .common import implicit_q_range
 from .configs import cdiv, hopper_backward_config
 from .fwd_hopper import _descriptor, flat_launch
@@ -296,20 +297,8 @@ def _bwd_wide_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    if LONGEST_FIRST:
-        # causal: key tile 0 first, (batch, KV head) pairs in groups of about a wave
-        num_tiles_n = gl.cdiv(seqlen_k, BLOCK_N)
-        pid = gl.program_id(0)
-        first_pair = pid // (pairs_per_group * num_tiles_n) * pairs_per_group
-        group_len = gl.minimum(pairs_per_group, num_pairs - first_pair)
-        rank = pid - first_pair * num_tiles_n
-        tile_n = rank // group_len
-        off_bh = first_pair + rank % group_len
-    else:
-        tile_n = gl.program_id(0)
-        off_bh = gl.program_id(1)
-    off_b = off_bh // num_heads_k
-    off_hk = off_bh % num_heads_k
+    tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
+                                             BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
     diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)
     diag_left = diag_offset - window_left  # and from r + diag_left (HAS_LEFT)
