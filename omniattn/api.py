@@ -12,7 +12,7 @@ from .kernels.configs import (backward_config, forward_config, hopper_forward_co
                                interpreting)
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                   mask_tile_states, row_length_states, states_schedule)
-from .kernels.fwd_hopper import hopper_forward_candidate
+from .kernels.fwd_hopper import gluon_candidate
 from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
 from .kernels.sequences import PackedSequences, batch_shape, length_order
 from .masks.block_mask import BlockMask
@@ -266,7 +266,7 @@ def _explicit_schedule(q, k, args: KernelArgs, block_mask, attn_mask, attn_bias=
     # mask + key bias, window (1024, 0), forward kernel ms: 0.284-0.288 / 0.297-0.303 Gluon
     gluon = row_lens is None and packed is None and not dropout \
         and not (attn_mask is not None and args.has_left) \
-        and hopper_forward_candidate(q, args, attn_bias if full_bias else None) \
+        and gluon_candidate(q, args, attn_bias if full_bias else None) \
         and (block_mask is None or _gluon_walks_blocks(block_mask, head_dim, full_bias))
     fwd = forward_config(head_dim, q.dtype, masked=sparse, elementwise=elementwise, gluon=gluon,
                          full_bias=full_bias)

@@ -240,11 +240,14 @@ def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stri
 
 
 @gluon.jit
-def _release_steps(first, end, v_ready, kv_free, NUM_BUF: gl.constexpr):
-    """Steps [first, end), loaded for the other consumer only: each released once its V is
-    there (and its K: the producer rewrites it only once the other consumer, which waits for
-    it, released it too)."""
+def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr):
+    """Steps [first, end), loaded for the other consumer only: each released once its K and V
+    are there. Waiting for K too keeps this consumer's later waits on k_ready in phase: they
+    test parity only, so a skipped phase lets the wait for step j + NUM_BUF pass on step j's
+    when V lands before K (H100, D256, window (1024, 0): identical calls gave different
+    outputs, and launches faulted)."""
     for j in range(first, end):
+        mbarrier.wait(k_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
         mbarrier.wait(v_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1)
         mbarrier.arrive(kv_free.index(j % NUM_BUF))
         mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
@@ -304,7 +307,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     if row0 >= seqlen_q:
         first = 0
         num_tiles = 0
-    _release_steps(0, first, v_ready, kv_free, NUM_BUF)
+    _release_steps(0, first, k_ready, v_ready, kv_free, NUM_BUF)
 
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -387,7 +390,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                             is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(kv_free.index(NUM_BUF + last))
-    _release_steps(num_tiles, num_tiles_cta, v_ready, kv_free, NUM_BUF)
+    _release_steps(num_tiles, num_tiles_cta, k_ready, v_ready, kv_free, NUM_BUF)
 
     seen = l_i > 0.0
     l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
@@ -564,16 +567,6 @@ def _fwd_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def hopper_forward_candidate(q: torch.Tensor, args: KernelArgs,
-                             full_bias: torch.Tensor | None = None) -> bool:
-    """Whether the Gluon forward can take calls on q's device, dtype and head dim with these
-    arguments: a `gluon_candidate`, with a left window bound only at head dim 128."""
-    # with a left window bound, the D256 kernel (64-key tiles, 2 buffers) faulted ("unspecified
-    # launch failure") in back-to-back calls: H100, B2 H16 8k / B1 16k, window (1024, 0), within
-    # 130 calls; not at 4k or with (4096, 0), nor at D128. Until found, fwd.py runs them
-    return gluon_candidate(q, args, full_bias) and not (args.has_left and q.shape[-1] > 128)
-
-
 def gluon_candidate(q: torch.Tensor, args: KernelArgs,
                     full_bias: torch.Tensor | None = None) -> bool:
     """Whether the Gluon kernels can take calls on q's device, dtype and head dim with these
@@ -597,7 +590,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     that TMA can read and an explicit schedule, if any, at its tiles."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
-            or not hopper_forward_candidate(q, args, full_bias):
+            or not gluon_candidate(q, args, full_bias):
         return False
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
