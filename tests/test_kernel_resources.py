@@ -13,15 +13,24 @@ TOOL = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernel_resources.p
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+def _run_tool(*args: str) -> str:
+    """The tool's report (stdout); its stderr's tail in the failure if it exits non-zero."""
+    # the GPU tiles, not the interpreter's; the GPU hidden, as the compile needs none (under
+    # the GPU suite's parallel load two runs exited 1 with a GPU visible, the cause not kept)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                         env=env)
+    assert run.returncode == 0, f"kernel_resources.py {' '.join(args)}: exit {run.returncode}\n" \
+        + run.stderr[-3000:]
+    return run.stdout
+
+
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
 def test_forward_resources_of_the_tuned_config(tmp_path):
     """The causal D128 forward at its tuned tiles (64 x 64, 4 warps, 3 stages through tensor
     descriptors): a real compile, so registers and shared memory come from ptxas and Triton."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the GPU tiles, not the interpreter's
     cubin = tmp_path / "fwd.cubin"
-    out = subprocess.run([sys.executable, str(TOOL), "--kernel", "fwd", "--causal",
-                          "--seqlen", "256", "--cubin", str(cubin)],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    out = _run_tool("--kernel", "fwd", "--causal", "--seqlen", "256", "--cubin", str(cubin))
     report = dict(re.findall(r"(\w+)=(\w+)", out))
     assert report["kernel"] == "_fwd_kernel"
     assert (report["num_warps"], report["num_stages"]) == ("4", "3")
@@ -44,11 +53,9 @@ def test_gluon_kernels_fit_in_shared_memory(kernel, bias, head_dim, name):
     two 64-key K/V buffers, the backward's K, V and two q / dO buffers of 64 x 256, without
     masks) compile for sm_90a within the H100's 232,448 bytes per block (a launch past it fails
     only on the GPU)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
     masks = ["--mask", "--bias", bias] if bias is not None else []
-    out = subprocess.run([sys.executable, str(TOOL), "--kernel", kernel, "--causal", *masks,
-                          "--seqlen", "256", "--head-dim", str(head_dim)],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    out = _run_tool("--kernel", kernel, "--causal", *masks, "--seqlen", "256", "--head-dim",
+                    str(head_dim))
     report = dict(re.findall(r"(\w+)=(\w+)", out))
     assert report["kernel"] == name
     # above the K/V (forward) or q / dO (backward) rings alone, at most the H100's limit
