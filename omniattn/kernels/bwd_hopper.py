@@ -479,41 +479,23 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         if BIAS_TMA:
             _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
                             i, num_steps > 0, CONSUMER, HALF_N)
-        dk, dv, dbias_keys, i, next_m = _query_tiles(
-                0, num_masked, i, next_m, first, num_steps, num_part, head_part, head_full,
-                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
-                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
-                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
-                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, True, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
-                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
-        dk, dv, dbias_keys, i, next_m = _query_tiles(
-                num_masked, whole_end, i, next_m, first, num_steps, num_part, head_part, head_full,
-                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
-                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
-                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
-                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, False, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
-                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
-        if HAS_LEFT:
-            # implicit: the tiles cut by the windows' left edges
-            dk, dv, dbias_keys, i, next_m = _query_tiles(
-                whole_end, num_steps, i, next_m, first, num_steps, num_part, head_part, head_full,
-                q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1, p_smem,
-                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
-                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
-                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, True, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
-                HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+        # runs of steps: the masked ones, the whole ones, and with a left bound (implicit) the
+        # tiles cut by the windows' left edges
+        run_ends = (0, num_masked, whole_end, num_steps)
+        for run in gl.static_range(3):
+            if run < 2 or HAS_LEFT:
+                dk, dv, dbias_keys, i, next_m = _query_tiles(
+                    run_ends[run], run_ends[run + 1], i, next_m, first, num_steps, num_part,
+                    head_part, head_full, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
+                    k_dq0, k_dq1, p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
+                    ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, head, seqlen_q,
+                    seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
+                    stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
+                    stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready, run != 1,
+                    HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+                    MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                    DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM,
+                    NUM_BUF, FLAT, s_layout, dq_layout)
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
             # a key bias: the sum over this head's queries, in the head's own slot
             gl.store(dbias_cols + (keys - key0) * stride_dbn,

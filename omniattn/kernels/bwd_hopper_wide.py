@@ -253,25 +253,17 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     i = 0
     for h in range(group):
         head = off_hk * group + h
-        dv0, dv1, dk0, dk1, i = _query_tiles(
-            first_m, first_full, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-            keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
-            True, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
-            acc_layout)
-        dv0, dv1, dk0, dk1, i = _query_tiles(
-            first_full, last_full, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-            p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-            keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
-            False, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
-            acc_layout)
-        if HAS_LEFT:  # the tiles cut by the windows' left edges
-            dv0, dv1, dk0, dk1, i = _query_tiles(
-                last_full, end_m, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-                p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0,
-                dk1, keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
-                softmax_scale, True, HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM,
-                FLAT, s_layout, acc_layout)
+        # runs of query tiles: masked, whole, and with a left bound those cut by the windows'
+        # left edges
+        run_ends = (first_m, first_full, last_full, end_m)
+        for run in gl.static_range(3):
+            if run < 2 or HAS_LEFT:
+                dv0, dv1, dk0, dk1, i = _query_tiles(
+                    run_ends[run], run_ends[run + 1], i, q_smem, do_smem, lse_smem, delta_smem,
+                    k_smem, v_smem, p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready,
+                    dq_desc, dv0, dv1, dk0, dk1, keys, off_b, head, seqlen_q, seqlen_k, diag,
+                    diag_left, qk_scale_log2, softmax_scale, run != 1, HAS_LEFT, HAS_RIGHT,
+                    EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout, acc_layout)
     tma.store_wait(0)
     all_keys = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     dk_b, dk_n, dk_h, dk_d = dk_strides

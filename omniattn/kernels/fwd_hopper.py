@@ -348,42 +348,29 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                                            keep, bias, KEYS, HAS_MASK, HAS_BIAS, HAS_LEFT,
                                            HAS_RIGHT, EXPLICIT, BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        if EXPLICIT or HAS_LEFT:
-            # explicit: the PARTIAL steps; implicit: the tiles cut by the windows' left edges
-            for j in range(first + 1, left_end):
-                acc, p_op, m_i, l_i, next_n = _overlapped_tile(
-                    j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                    s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
-                    window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
-                    full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                    mask_smem, bias_smem, CONSUMER, EXPLICIT, True, KEYS, HAS_MASK, MASK_TMA,
-                    MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                    BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
-        for j in range(gl.maximum(left_end, first + 1), whole_end):
-            # FULL tiles of an explicit schedule may still run past Sk (that is their only
-            # term: no window's, as a block mask's may lie outside its predicate)
-            acc, p_op, m_i, l_i, next_n = _overlapped_tile(
-                j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
-                window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
-                full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                mask_smem, bias_smem, CONSUMER, EXPLICIT, False, EXPLICIT and not EVEN_N,
-                HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
-                BIAS_ROWS_SHARED, BIAS_COLS_SHARED, False, False, EVEN_M, EVEN_N, BLOCK_M,
-                BLOCK_N, HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
-        if not EXPLICIT:
-            # the tiles cut by the windows' right edges or by Sk
-            for j in range(gl.maximum(whole_end, first + 1), num_tiles):
-                acc, p_op, m_i, l_i, next_n = _overlapped_tile(
-                    j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                    s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
-                    window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
-                    full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                    mask_smem, bias_smem, CONSUMER, EXPLICIT, True, KEYS, HAS_MASK, MASK_TMA,
-                    MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED,
-                    BIAS_COLS_SHARED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, NUM_BUF, s_layout, o_layout, p_layout)
+        # three runs of steps. Explicit: the PARTIAL ones, then the FULL ones; implicit: the
+        # tiles cut by the windows' left edges, those seen whole, those cut on the right or by
+        # Sk. The middle run applies no window term (a block mask's FULL tiles may lie outside
+        # its predicate); an explicit schedule's FULL tiles may still run past Sk
+        run_ends = (left_end, whole_end, num_tiles)
+        for run in gl.static_range(3):
+            if (run == 0 and (EXPLICIT or HAS_LEFT)) or run == 1 or (run == 2 and not EXPLICIT):
+                if run == 0:
+                    begin = first + 1
+                else:
+                    begin = gl.maximum(run_ends[run - 1], first + 1)
+                for j in range(begin, run_ends[run]):
+                    acc, p_op, m_i, l_i, next_n = _overlapped_tile(
+                        j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
+                        l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset,
+                        window_left, window_right, qk_scale_log2, first_tile, num_tiles,
+                        num_part, part_list, full_list, mask_rows, stride_mm, stride_mn,
+                        bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
+                        EXPLICIT, run != 1, (run != 1 and KEYS) or (EXPLICIT and not EVEN_N),
+                        HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                        BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT and run != 1,
+                        HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        NUM_BUF, s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
