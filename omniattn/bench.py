@@ -26,6 +26,7 @@ import triton
 import omniattn
 from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import forward_config, interpreting, switches
+from omniattn.kernels.schedule import RelativePredicate
 
 MODES = ("fwd", "fwd+bwd")
 SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window")
@@ -292,16 +293,6 @@ def workload_row_lengths(workload: Workload,
     return lengths.clamp(max=seqlen_k).expand(shape).contiguous()
 
 
-def window_visible(q_idx, kv_idx, seqlen_q: int, seqlen_k: int, window: tuple[int, int]):
-    """Whether query q_idx sees key kv_idx under attention's window (left, right) about the
-    bottom-right aligned diagonal, -1 unbounded (tensors broadcast; also a Flex mask_mod's
-    body)."""
-    left, right = window
-    offset = kv_idx - q_idx - (seqlen_k - seqlen_q)  # the key's offset from the row's diagonal
-    visible = offset <= right if right >= 0 else offset == offset
-    return visible & (offset >= -left) if left >= 0 else visible
-
-
 class ExtraInputs:
     """What one workload adds to q, k, v, built once per workload and shared by every provider
     and mode (omniattn caches its block-mask schedule on the BlockMask; the 4k keep mask and full
@@ -344,9 +335,9 @@ class ExtraInputs:
         """SDPA's form of the window: bool (1, 1, Sq, Sk) attn_mask, materialised (64 MB at 8k),
         broadcast over batch and heads."""
         w = self.workload
-        return window_visible(torch.arange(w.seqlen_q, device=self.device)[:, None],
-                              torch.arange(w.seqlen_k, device=self.device), w.seqlen_q,
-                              w.seqlen_k, w.window)[None, None]
+        return RelativePredicate.make(window=w.window).holds(
+            torch.arange(w.seqlen_q, device=self.device)[:, None],
+            torch.arange(w.seqlen_k, device=self.device), w.seqlen_q, w.seqlen_k)[None, None]
 
     @functools.cached_property
     def flex_block_mask(self):
@@ -376,9 +367,10 @@ class ExtraInputs:
             return create_block_mask(within_row_length, workload.batch, None, workload.seqlen_q,
                                      workload.seqlen_k, device=self.device)
         if workload.window is not None:
+            predicate = RelativePredicate.make(window=workload.window)
+
             def in_window(b, h, q_idx, kv_idx):
-                return window_visible(q_idx, kv_idx, workload.seqlen_q, workload.seqlen_k,
-                                      workload.window)
+                return predicate.holds(q_idx, kv_idx, workload.seqlen_q, workload.seqlen_k)
 
             return create_block_mask(in_window, None, None, workload.seqlen_q,
                                      workload.seqlen_k, device=self.device)
@@ -513,7 +505,8 @@ def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, blo
     tile m visits the key tiles from the one holding its first row's first key to the one
     holding its last row's last key (causal: n * block_n <= min((m + 1) * block_m, Sq) - 1 +
     Sk - Sq)."""
-    left, right = _window_bounds(causal, window)
+    predicate = RelativePredicate.make(causal, window)
+    left, right = predicate.left, predicate.right
     diag = seqlen_k - seqlen_q
     pairs = 0
     for start_m in range(0, seqlen_q, block_m):
@@ -524,12 +517,6 @@ def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, blo
         end = min(triton.cdiv(key_hi, block_n) * block_n, seqlen_k)
         pairs += (end_m - start_m) * max(end - first, 0)
     return pairs
-
-
-def _window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
-    """(left, right) of attention's causal and window together, -1 unbounded."""
-    left, right = window if window is not None else (-1, -1)
-    return left, (0 if right < 0 else min(right, 0)) if causal else right
 
 
 def block_mask_pairs(block_mask: omniattn.BlockMask) -> float:
@@ -601,7 +588,8 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool,
                   window: tuple[int, int] | None = None) -> int:
     """(query, key) pairs the mask lets through: Sq * Sk dense, the bottom-right triangle causal,
     the band of a window (left, right; -1 unbounded) about the bottom-right diagonal."""
-    left, right = _window_bounds(causal, window)
+    predicate = RelativePredicate.make(causal, window)
+    left, right = predicate.left, predicate.right
     diag = seqlen_k - seqlen_q
     pairs = 0
     for i in range(seqlen_q):

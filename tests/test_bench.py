@@ -7,6 +7,7 @@ import torch
 
 import omniattn
 from omniattn import bench
+from omniattn.kernels.schedule import RelativePredicate
 
 
 @pytest.fixture
@@ -181,7 +182,7 @@ def test_window_pairs_match_brute_force(seq_lengths, causal, window):
     from each query tile's first visible key tile to its last."""
     seqlen_q, seqlen_k = seq_lengths
     rows, keys = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)
-    visible = bench.window_visible(rows, keys, seqlen_q, seqlen_k, window or (-1, -1))
+    visible = RelativePredicate.make(window=window).holds(rows, keys, seqlen_q, seqlen_k)
     if causal:
         visible &= keys <= rows + seqlen_k - seqlen_q
     assert bench.visible_pairs(seqlen_q, seqlen_k, causal, window) == visible.sum().item()
