@@ -31,7 +31,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from omniattn.kernels import bwd, bwd_hopper, bwd_hopper_wide, configs, fwd, fwd_hopper
 from omniattn.kernels.elementwise import Elementwise
-from omniattn.kernels.schedule import PARTIAL, KernelArgs, TileLists
+from omniattn.kernels.schedule import FULL, PARTIAL, KernelArgs, TileLists
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -79,10 +79,11 @@ def launches_compiled(names: set[str], reports: list[dict]):
 
 
 def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs, mask: bool,
-                bias_form: str | None) -> None:
+                bias_form: str | None, full_lists: bool) -> None:
     """The Gluon forward or backward launcher on CPU tensors: with `mask`, a bool mask spanning
-    (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); a
-    bias of `bias_form` "key" (B, H, 1, Sk) or "full" (B, H, Sq, Sk), with its gradient."""
+    (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); with
+    `full_lists` (no mask), lists of FULL tiles, as a block mask's; a bias of `bias_form` "key"
+    (B, H, 1, Sk) or "full" (B, H, Sq, Sk), with its gradient."""
     batch, seqlen, heads, head_dim = q.shape
     masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
         if mask else None
@@ -92,13 +93,13 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
         bias = Elementwise.of(torch.randn(batch, heads, rows, seqlen, dtype=q.dtype), heads)
 
     def lists(block_m: int, block_n: int, transposed: bool) -> TileLists:
-        states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n), PARTIAL,
-                            dtype=torch.int8)
+        states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n),
+                            PARTIAL if mask else FULL, dtype=torch.int8)
         return TileLists.from_states(states, block_m, block_n, transposed)
 
     if kernel == "gluon-fwd":
         cfg = fwd_hopper.hopper_forward_config(head_dim, bias_form == "full")
-        schedule = lists(cfg.block_m, cfg.block_n, False) if mask else None
+        schedule = lists(cfg.block_m, cfg.block_n, False) if mask or full_lists else None
         fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q),
                                   torch.empty(batch, heads, seqlen), schedule, masks, bias)
         return
@@ -107,12 +108,12 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                                                     cfg.block_m)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
     if configs.hopper_backward_splits_head_dim(head_dim):
-        if mask or bias is not None:
+        if mask or bias is not None or full_lists:
             raise SystemExit(f"the Gluon backward takes no masks or biases at head dim {head_dim}")
         bwd_hopper_wide.hopper_backward_wide(q, q, k, k, row_stats, torch.zeros(q.shape), args,
                                              *grads)
         return
-    schedule = lists(cfg.block_m, cfg.block_n, True) if mask else None
+    schedule = lists(cfg.block_m, cfg.block_n, True) if mask or full_lists else None
     dbias = None
     if bias is not None:
         # a key bias's sums over queries in fp32; a full bias's tiles in the inputs' dtype
@@ -129,6 +130,8 @@ def main() -> None:
                         default="bwd")
     parser.add_argument("--mask", action="store_true",
                         help="Gluon kernels: a bool element mask spanning (Sq, Sk)")
+    parser.add_argument("--lists", action="store_true",
+                        help="Gluon kernels: lists of FULL tiles (a block mask's), no mask")
     parser.add_argument("--bias", choices=("key", "full"),
                         help="Gluon kernels: a key bias (B, H, 1, Sk) or a full one")
     parser.add_argument("--causal", action="store_true")
@@ -162,7 +165,7 @@ def main() -> None:
         elif opts.kernel == "bwd":
             bwd.attention_backward(q, q, k, v, q, lse, args)
         else:
-            _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias)
+            _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists)
     for report in reports:
         cubin = report.pop("cubin")
         if opts.cubin:

@@ -149,10 +149,9 @@ def test_attention_with_block_mask(case):
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("seqlens", [(1000, 1300), (1024, 768)], ids=str)
 def test_gluon_with_block_mask(gluon_calls, seqlens):
-    """Block masks of whole blocks (no causal / window, no element bitmaps) run their forward
-    lists, 128x128 tiles, in the Gluon kernel: a FULL tile past Sk, query blocks that see
-    nothing, GQA. Their backward stays in bwd.py (faster there: `hopper_backward_applies`).
-    Fails if either pass took the other path."""
+    """Block masks of whole blocks (no causal / window, no element bitmaps) run their lists in
+    the Gluon kernels, the forward's at 128x128 tiles, the backward's at 64x128: a FULL tile
+    past Sk, query blocks that see nothing, GQA. Fails if either pass took the other path."""
     seqlen_q, seqlen_k = seqlens
     mask = random_block_mask(2, 8, seqlen_q, seqlen_k, 128, 0.4, seqlen_q)
     torch.manual_seed(seqlen_k)
@@ -162,7 +161,7 @@ def test_gluon_with_block_mask(gluon_calls, seqlens):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert (out[:, :128] == 0).all()
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
-    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 # (Sq, Sk, window, block size, attention's causal): masks whose PARTIAL blocks apply their own
@@ -179,9 +178,9 @@ PREDICATE_BLOCK_MASKS = [
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("case", PREDICATE_BLOCK_MASKS, ids=case_id)
 def test_gluon_with_predicate_block_mask(gluon_calls, case):
-    """Causal / window block masks at blocks the Gluon tiles divide run their forward lists in
-    the Gluon kernel, the predicate (left bounds included) in the PARTIAL tiles; the backward
-    is bwd.py's. Fails if either pass took the other path."""
+    """Causal / window block masks at blocks the Gluon tiles divide run their lists in the
+    Gluon kernels, the predicate (left bounds included) in the PARTIAL tiles. Fails if either
+    pass took the other path."""
     seqlen_q, seqlen_k, window, block_size, causal = case
     mask = omniattn.window_block_mask(seqlen_q, seqlen_k, window, block_size=block_size,
                                       device=DEVICE)
@@ -192,7 +191,7 @@ def test_gluon_with_predicate_block_mask(gluon_calls, case):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     visible = element_visibility(mask) & predicate(seqlen_q, seqlen_k, causal, None)
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
-    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.gpu
@@ -202,7 +201,8 @@ def test_gluon_with_full_blocks_outside_the_predicate(gluon_calls, window):
     """FULL blocks need no predicate, also where the mask's own causal / window predicate would
     hide keys: a first key block FULL for every query block (beside the window's left edge), a
     first query block FULL everywhere (its rows' first step is FULL) and keys past Sk in the
-    last block. The Gluon forward applies the predicate to the PARTIAL tiles only."""
+    last block. The Gluon kernels apply the predicate to the PARTIAL tiles only; the FULL ones
+    of the last key tile drop the keys past Sk alone."""
     seqlen_q, seqlen_k = 700, 1000
     states = RelativePredicate.make(False, window).classify(seqlen_q, seqlen_k, 128, 128,
                                                             device=DEVICE)
@@ -215,7 +215,7 @@ def test_gluon_with_full_blocks_outside_the_predicate(gluon_calls, window):
     out, lse = omniattn.attention(q, k, v, block_mask=mask, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=element_visibility(mask))
-    assert gluon_calls == ["fwd"], f"Gluon launches: {gluon_calls}"
+    assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 
 
 @pytest.mark.parametrize("block_size", [16, 32, (32, 16)], ids=str)

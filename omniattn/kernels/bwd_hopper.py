@@ -76,7 +76,7 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
                lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                num_heads, delta_row0, start_n, first_m, end_m, group, seqlen_q, seqlen_k,
                part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-               stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div,
+               stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div, rows_smem,
                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
                MASK_TMA: gl.constexpr):
@@ -85,7 +85,10 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
     (`_head_steps`) q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon
     as both consumers released the tiles that used it before. MASK_TMA: the masked steps' mask
     tiles too, a [BM, BN/2] box per consumer (mask rows (batch, head, query) flattened: mask_row0
-    is the batch's first)."""
+    is the batch's first). Explicit schedules: each step's query tile and the head's next one
+    into rows_smem beside its buffer before q_ready's arrival, for the consumers
+    (`_listed_tiles`)."""
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
         _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
@@ -98,23 +101,28 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
         num_part, head_part, head_full, num_steps, first = _head_steps(
             h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
             stride_fih, first_m, end_m, EXPLICIT)
-        num_masked = num_part
-        if start_n + 2 * HALF_N > seqlen_k:
-            num_masked = num_steps  # as the consumers count them
         mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
+        # the list entry of step j + 1 is read during step j
+        next_tile = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
         for j in range(num_steps):
-            row = (first + _tile_at(j, num_part, head_part, head_full, EXPLICIT)) * BLOCK_M
+            tile = next_tile
+            next_tile = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
+                                         head_full, EXPLICIT)
+            row = tile * BLOCK_M
             buf = i % NUM_BUF
             # a fresh barrier passes a wait on parity 1: the first round needs no release
             mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
+            if EXPLICIT:
+                rows_smem.index(2 * buf).store(gl.full([1], tile, gl.int32, row_layout))
+                rows_smem.index(2 * buf + 1).store(gl.full([1], next_tile, gl.int32, row_layout))
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
             stats_row = off_b * num_heads + head
             q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
             if MASK_TMA:
-                with_mask = j < num_masked
+                with_mask = j < num_part  # the PARTIAL steps
                 mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
                 mbarrier.expect(q_ready.index(buf), q_bytes + mask_bytes, pred=with_mask)
-                mbarrier.expect(q_ready.index(buf), q_bytes, pred=j >= num_masked)
+                mbarrier.expect(q_ready.index(buf), q_bytes, pred=j >= num_part)
                 # rows past Sq read the next head's (or zeros): p = 0 there
                 for c in gl.static_range(2):
                     tma.async_copy_global_to_shared(
@@ -221,12 +229,25 @@ def _copy_bias_tile(bias_desc, row, key0, bias_ready, ds_smem, i, pred,
 
 
 @gluon.jit
+def _listed_tiles(rows_smem, buf):
+    """Consumer, explicit schedules, once q_ready of buffer buf is waited for: (the step's
+    query tile, the head's next one), as the producer wrote them beside the buffer. A
+    consumer's own load of the list entry stalled it (the wgmma fence of its next matmul waits
+    for the load). H100, B1 H16 16k, backward kernel ms, consumer loads / this: block mask at
+    density 1 13.07-13.18 / 11.47-11.57, .11 1.56-1.57 / 1.31."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return (gl.max(rows_smem.index(2 * buf).load(layout), 0),
+            gl.max(rows_smem.index(2 * buf + 1).load(layout), 0))
+
+
+@gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, next_row, has_next, MASKED: gl.constexpr,
+                bias_row, bias_ready, head_bias, rows_smem, has_next, MASKED: gl.constexpr,
+                KEY_END: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                 MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
@@ -239,28 +260,36 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
-    tiles drop keys past Sk, right of each row's window (diag = Sk - Sq + window_right), left
-    of it (diag_left = Sk - Sq - window_left; implicit schedules only) and
-    where the mask (HAS_MASK) is 0; the bias (HAS_BIAS) is added in every tile. mask_cols /
+    tiles drop keys right of each row's window (diag = Sk - Sq + window_right), left of it
+    (diag_left = Sk - Sq - window_left) and where the mask (HAS_MASK) is 0; MASKED or KEY_END
+    ones keys past Sk; the bias (HAS_BIAS) is added in every tile. mask_cols /
     bias_cols / dbias_cols point at this consumer's first key (key0), query 0, of the head.
     DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
     added into the fp32 dbias by atomics (one column or a scalar: summed over keys) or is
-    stored as the tile."""
+    stored as the tile. Explicit schedules read the step's tile_m (and the next step's) from
+    rows_smem once its q has landed."""
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
+    next_m = tile_m + 1
+    if EXPLICIT:
+        mbarrier.wait(q_ready.index(buf), phase)
+        tile_m, next_m = _listed_tiles(rows_smem, buf)
     start_m = tile_m * BLOCK_M
     rows_left = seqlen_q - start_m
     cols_left = seqlen_k - key0
     local_n = gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     local_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    # mask / bias tiles [BN/2, BM] (or their broadcast forms): loads in flight during the waits
+    # mask / bias tiles [BN/2, BM] (or their broadcast forms), implicit: loads in flight
+    # during the wait
     keep_t = 0
     bias_t = 0
     if MASKED and HAS_MASK and not MASK_TMA:
         keep_t = load_pair_tile(mask_cols + start_m.to(gl.int64) * stride_mm, local_n, local_m,
                                 stride_mn, stride_mm, cols_left, rows_left, MASK_COLS_SHARED,
                                 MASK_ROWS_SHARED, EVEN_N, EVEN_M)
-    if HAS_BIAS and not BIAS_TMA:
+    if HAS_BIAS and BIAS_ROWS_SHARED:
+        bias_t = head_bias
+    elif HAS_BIAS and not BIAS_TMA:
         bias_t = load_pair_tile(bias_cols + start_m.to(gl.int64) * stride_bm, local_n, local_m,
                                 stride_bn, stride_bm, cols_left, rows_left, BIAS_COLS_SHARED,
                                 BIAS_ROWS_SHARED, EVEN_N, EVEN_M)
@@ -270,7 +299,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     # broadcast over the keys), so S^T and dP^T come out shifted; a row that saw no key has
     # lse / scale = +inf there: its probabilities are 0
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(q_ready.index(buf), phase)
+    if not EXPLICIT:
+        mbarrier.wait(q_ready.index(buf), phase)
     lse_scaled = lse_smem.index(buf).load(s_layout)  # [1, BM]
     s_t = warpgroup_mma(k_half, q.permute((1, 0)), s_zero - lse_scaled, is_async=True)
     s_t = warpgroup_mma_wait(0, deps=(s_t,))  # [BN/2, BM]
@@ -289,8 +319,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 # the producer's tile, [BM, BN/2] in shared memory: read here, not held
                 keep_t = mask_smem.index(buf * 2 + CONSUMER).permute((1, 0)).load(s_layout)
             p_t = gl.where(keep_t != 0, p_t, 0.0)
-        if not EVEN_N:
-            p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
+    if (MASKED or KEY_END) and not EVEN_N:
+        p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
+    if MASKED:
         if HAS_RIGHT:
             # explicit lists: PARTIAL tiles inside the window skip it
             if (not EXPLICIT) or (start_m + diag < key0 + HALF_N - 1):
@@ -334,8 +365,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     dk = warpgroup_mma(ds_own, q, dk, is_async=True)
     mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
     if BIAS_TMA:
-        _copy_bias_tile(bias_desc, bias_row + next_row, key0, bias_ready, ds_smem, i + 1,
-                        has_next, CONSUMER, HALF_N)
+        _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
+                        i + 1, has_next, CONSUMER, HALF_N)
     if DBIAS and DBIAS_FROM_DS:
         # read while the dQ wgmmas read it too
         _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
@@ -365,15 +396,15 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
 
 
 @gluon.jit
-def _query_tiles(steps_begin, steps_end, i, next_m, first, num_steps, num_part, head_part,
-                 head_full, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+def _query_tiles(steps_begin, steps_end, i, first, num_steps, rows_smem, q_smem,
+                 do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                  p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                  dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
                  qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                  stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                 bias_row, bias_ready, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr,
-                 MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
+                 bias_row, bias_ready, head_bias, MASKED: gl.constexpr, KEY_END: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                 HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
                  MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                  BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
                  DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
@@ -381,24 +412,21 @@ def _query_tiles(steps_begin, steps_end, i, next_m, first, num_steps, num_part, 
                  HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                  FLAT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """Steps [steps_begin, steps_end) of a head's query tiles through `_query_tile`, all MASKED
-    or none; the tile of step j + 1 (next_m, first + `_tile_at`) is read a step ahead, so no
-    load waits on it. Returns (dk, dv, dbias_keys, i, next_m)."""
+    or none: tiles first + j, or (explicit) those the producer read from the lists. Returns
+    (dk, dv, dbias_keys, i)."""
     for j in range(steps_begin, steps_end):
-        tile_m = next_m
-        next_m = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
-                                  head_full, EXPLICIT)
         dk, dv, dbias_keys = _query_tile(
-            i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
+            i, first + j, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
             p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
             dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
             qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
-            bias_ready, next_m * BLOCK_M, j + 1 < num_steps, MASKED, HAS_LEFT, HAS_RIGHT,
-            EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
-            BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER,
-            BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+            bias_ready, head_bias, rows_smem, j + 1 < num_steps, MASKED, KEY_END, HAS_LEFT,
+            HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M,
+            EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
         i += 1
-    return dk, dv, dbias_keys, i, next_m
+    return dk, dv, dbias_keys, i
 
 
 @gluon.jit
@@ -411,9 +439,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
                    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
                    stride_dbh, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row0,
-                   bias_ready, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr,
-                   MASK_TMA: gl.constexpr,
+                   bias_ready, rows_smem, CONSUMER: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                   HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -459,9 +487,11 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             stride_fih, first_m, end_m, EXPLICIT)
         if EXPLICIT:
             num_masked = num_part
-            if start_n + BLOCK_N > seqlen_k:
-                num_masked = num_steps  # its FULL tiles drop the keys past Sk too
             whole_end = num_steps
+            if start_n + BLOCK_N > seqlen_k:
+                # its FULL tiles drop the keys past Sk, and only those: a block mask's FULL
+                # tiles may lie outside its causal / window predicate
+                whole_end = num_part
         else:
             num_masked = first_full - first_m
             whole_end = last_full - first_m
@@ -474,28 +504,37 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                                seqlen_k - key0, EXPLICIT, BLOCK_M, HALF_N)
         # bias rows (batch, head, query) flattened, as the TMA descriptor sees them
         bias_row = bias_row0 + (head // bias_head_div) * seqlen_q
-        # explicit: the next tile index is read a step ahead, so no load waits on it
-        next_m = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
+        head_bias = 0
+        if HAS_BIAS and BIAS_ROWS_SHARED:
+            # a bias constant over queries: this head's [BN/2, 1] once, not a load per step
+            head_bias = load_pair_tile(bias_cols, keys - key0, keys - key0, stride_bn, 0,
+                                       seqlen_k - key0, 1, BIAS_COLS_SHARED, True, EVEN_N, True)
         if BIAS_TMA:
-            _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
-                            i, num_steps > 0, CONSUMER, HALF_N)
-        # runs of steps: the masked ones, the whole ones, and with a left bound (implicit) the
-        # tiles cut by the windows' left edges
+            first_m_of_head = first
+            if EXPLICIT:
+                if num_steps > 0:
+                    mbarrier.wait(q_ready.index(i % NUM_BUF), (i // NUM_BUF) & 1)
+                    first_m_of_head = _listed_tiles(rows_smem, i % NUM_BUF)[0]
+            _copy_bias_tile(bias_desc, bias_row + first_m_of_head * BLOCK_M, key0, bias_ready,
+                            ds_smem, i, num_steps > 0, CONSUMER, HALF_N)
+        # runs of steps: the masked ones, the whole ones, then (implicit) with a left bound the
+        # tiles cut by the windows' left edges, or (explicit) FULL tiles past Sk
         run_ends = (0, num_masked, whole_end, num_steps)
         for run in gl.static_range(3):
-            if run < 2 or HAS_LEFT:
-                dk, dv, dbias_keys, i, next_m = _query_tiles(
-                    run_ends[run], run_ends[run + 1], i, next_m, first, num_steps, num_part,
-                    head_part, head_full, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
+            if run < 2 or HAS_LEFT or (EXPLICIT and not EVEN_N):
+                dk, dv, dbias_keys, i = _query_tiles(
+                    run_ends[run], run_ends[run + 1], i, first, num_steps, rows_smem,
+                    q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
                     k_dq0, k_dq1, p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
                     ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, head, seqlen_q,
                     seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
                     stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
-                    stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready, run != 1,
-                    HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-                    MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                    DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM,
-                    NUM_BUF, FLAT, s_layout, dq_layout)
+                    stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
+                    head_bias, run == 0 or (run == 2 and not EXPLICIT), run != 1, HAS_LEFT,
+                    HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                    HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
+                    EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
+                    dq_layout)
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
             # a key bias: the sum over this head's queries, in the head's own slot
             gl.store(dbias_cols + (keys - key0) * stride_dbn,
@@ -626,6 +665,9 @@ def _bwd_hopper_kernel(
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # per consumer, per parity of the step: its bias tile by TMA landed (`_copy_bias_tile`)
     bias_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # explicit schedules: each buffered step's query tile and the next, from the producer
+    rows_smem = gl.allocate_shared_memory(gl.int32, [2 * NUM_BUF, 1],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for b in gl.static_range(4):
         mbarrier.init(kv_ready.index(b), count=1)
     mbarrier.init(kv_done, count=2)
@@ -649,8 +691,8 @@ def _bwd_hopper_kernel(
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, 0, HAS_LEFT, HAS_RIGHT,
-                          EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, 0,
+                          HAS_LEFT, HAS_RIGHT, EXPLICIT,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -666,8 +708,8 @@ def _bwd_hopper_kernel(
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, 1, HAS_LEFT, HAS_RIGHT,
-                          EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, 1,
+                          HAS_LEFT, HAS_RIGHT, EXPLICIT,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -678,7 +720,8 @@ def _bwd_hopper_kernel(
                       off_hk, num_heads_k * group, delta_row0, start_n, first_m, end_m,
                       group, seqlen_q, seqlen_k, part_num, part_list, full_num, full_list,
                       stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
-                      off_b * mask_batch_rows, mask_head_div, BLOCK_M, BLOCK_N // 2, HEAD_DIM,
+                      off_b * mask_batch_rows, mask_head_div, rows_smem, BLOCK_M,
+                      BLOCK_N // 2, HEAD_DIM,
                       NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -690,10 +733,10 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
     `bwd_hopper_wide`'s, which takes no lists, masks or biases): a `gluon_candidate` (device,
     dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim it has tiles for,
-    q / k / v / dO aligned for TMA, transposed lists (if any) at its tiles and from an element
-    mask, and a bias gradient it writes: any but that of a (Sq, Sk) bias shared by several query
-    heads (its sum over them is bwd.py's). The caller excludes what `gluon_candidate` does not
-    see (bitmaps, lengths, packing, dropout, determinism)."""
+    q / k / v / dO aligned for TMA, transposed lists (if any: an element mask's or a block
+    mask's) at its tiles, and a bias gradient it writes: any but that of a (Sq, Sk) bias
+    shared by several query heads (its sum over them is bwd.py's). The caller excludes what
+    `gluon_candidate` does not see (bitmaps, lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
     if cfg is None or q.dim() != 4 or not gluon_candidate(q, args):
         return False
@@ -709,11 +752,9 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if args.has_left and schedule is None and q.shape[2] == k.shape[2] \
             and not hopper_backward_splits_head_dim(q.shape[-1]):
         return False
-    # lists of whole-block masks stay in bwd.py. H100, 16k B1 H16, backward GPU ms at density
-    # 1 / .5 / .26 / .11: Gluon 13.15 / 6.81 / 3.68 / 1.78, Triton 12.55 / 6.93 / 3.57 / 1.55;
-    # with issue #4's top-k element mask (4k B2 H16 causal, key bias) Gluon 1.02, Triton 1.33
-    if schedule is not None and mask is None:
-        return False
+    # block masks too since the consumers take their tiles from the producer: H100, 16k B1 H16,
+    # random block masks, backward kernel ms at density 1 / .5 / .26 / .11 (2026-11-24): Gluon
+    # 11.27-11.29 / 5.67 / 2.99-3.15 / 1.32-1.34, Triton 12.34-12.40 / 6.26-6.59 / 3.25 / 1.50
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
                                                                           cfg.block_n):
         return False
