@@ -510,11 +510,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             head_bias = load_pair_tile(bias_cols, keys - key0, keys - key0, stride_bn, 0,
                                        seqlen_k - key0, 1, BIAS_COLS_SHARED, True, EVEN_N, True)
         if BIAS_TMA:
-            first_m_of_head = first
-            if EXPLICIT:
-                if num_steps > 0:
-                    mbarrier.wait(q_ready.index(i % NUM_BUF), (i // NUM_BUF) & 1)
-                    first_m_of_head = _listed_tiles(rows_smem, i % NUM_BUF)[0]
+            # the head's first tile from the list itself: from the producer, its copy would
+            # wait for the step's q to land (once per head, outside the loop of steps)
+            first_m_of_head = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
             _copy_bias_tile(bias_desc, bias_row + first_m_of_head * BLOCK_M, key0, bias_ready,
                             ds_smem, i, num_steps > 0, CONSUMER, HALF_N)
         # runs of steps: the masked ones, the whole ones, then (implicit) with a left bound the
