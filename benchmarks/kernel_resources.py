@@ -114,7 +114,8 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
     if configs.hopper_backward_splits_head_dim(head_dim):
         if mask or bias is not None or full_lists:
-            raise SystemExit(f"the Gluon backward takes no masks or biases at head dim {head_dim}")
+            raise SystemExit(f"the Gluon backward takes no lists, masks or biases at head dim "
+                             f"{head_dim}")
         bwd_hopper_wide.hopper_backward_wide(q, q, k, k, row_stats, torch.zeros(q.shape), args,
                                              *grads)
         return
