@@ -11,7 +11,8 @@ registers, 164,864 bytes); ptxas counts spills in bytes (n_spills on the device 
 The Gluon kernels (fwd_hopper.py, bwd_hopper.py; bwd_hopper_wide.py at head dim 256) run their
 launchers the same way, with issue #4's element mask and biases on request; their partitions set
 their own register budgets (setmaxnreg), so `registers` is the launch's, and the spills are what
-tells.
+tells. `barrier_bytes_overwritten` reads the SASS (cuobjdump): initialised mbarriers that a
+fixed-offset shared store also writes, which must be none.
 """
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ from omniattn.kernels.schedule import FULL, PARTIAL, KernelArgs, TileLists
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+# SASS: an mbarrier's init, and a shared store at a fixed offset (warp_specialize's captures)
+_BARRIER_INIT = re.compile(r"SYNCS\.EXCH\.64 URZ, \[UR\d+\+0x([0-9a-f]+)\]")
+_FIXED_STORE = re.compile(r"\bSTS(\.U8|\.S8|\.U16|\.S16|\.64|\.128)? \[UR\d+\+0x([0-9a-f]+)\]")
+_STORE_BYTES = {None: 4, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, ".64": 8, ".128": 16}
+
+
+def barrier_bytes_overwritten(cubin: bytes) -> int:
+    """Bytes of initialised mbarriers that a plain shared store at a fixed offset also writes.
+    Triton 3.6 gives a barrier that no partition uses (initialised, never waited on) to
+    warp_specialize's captures, which the workers read back: on an H100 time-sliced between
+    processes some warps then read the barrier's state in place of a loop bound and the
+    kernel hung (benchmarks/NOTES.md, "A hang under concurrent processes")."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    barriers = {int(offset, 16) + byte for offset in _BARRIER_INIT.findall(sass)
+                for byte in range(8)}
+    stored = {int(offset, 16) + byte for width, offset in _FIXED_STORE.findall(sass)
+              for byte in range(_STORE_BYTES[width or None])}
+    return len(barriers & stored)
 
 
 def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
@@ -61,7 +85,9 @@ def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
     return dict(kernel=fn.__name__, num_warps=options.num_warps, num_stages=options.num_stages,
                 registers=int(re.search(r"Used (\d+) registers", report).group(1)),
                 spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
-                shared_bytes=compiled.metadata.shared, cubin=compiled.asm["cubin"])
+                shared_bytes=compiled.metadata.shared,
+                barrier_bytes_overwritten=barrier_bytes_overwritten(compiled.asm["cubin"]),
+                cubin=compiled.asm["cubin"])
 
 
 @contextlib.contextmanager
