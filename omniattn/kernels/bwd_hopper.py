@@ -29,7 +29,7 @@ from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
-                         by_tma, flat_launch, gluon_candidate, producer_tiles,
+                         by_tma, flat_launch, gluon_candidate, hand_over, handed, producer_tiles,
                          tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
@@ -88,7 +88,6 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
     is the batch's first). Explicit schedules: each step's query tile and the head's next one
     into rows_smem beside its buffer before q_ready's arrival, for the consumers
     (`_listed_tiles`)."""
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
         _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
@@ -113,8 +112,8 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
             # a fresh barrier passes a wait on parity 1: the first round needs no release
             mbarrier.wait(qdo_free.index(buf), ((i // NUM_BUF) & 1) ^ 1)
             if EXPLICIT:
-                rows_smem.index(2 * buf).store(gl.full([1], tile, gl.int32, row_layout))
-                rows_smem.index(2 * buf + 1).store(gl.full([1], next_tile, gl.int32, row_layout))
+                hand_over(rows_smem.index(2 * buf), tile)
+                hand_over(rows_smem.index(2 * buf + 1), next_tile)
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
             stats_row = off_b * num_heads + head
             q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
@@ -235,9 +234,7 @@ def _listed_tiles(rows_smem, buf):
     consumer's own load of the list entry stalled it (the wgmma fence of its next matmul waits
     for the load). H100, B1 H16 16k, backward kernel ms, consumer loads / this: block mask at
     density 1 13.07-13.18 / 11.47-11.57, .11 1.56-1.57 / 1.31."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return (gl.max(rows_smem.index(2 * buf).load(layout), 0),
-            gl.max(rows_smem.index(2 * buf + 1).load(layout), 0))
+    return handed(rows_smem.index(2 * buf)), handed(rows_smem.index(2 * buf + 1))
 
 
 @gluon.jit

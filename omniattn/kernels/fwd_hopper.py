@@ -80,11 +80,29 @@ def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
 
 
 @gluon.jit
+def hand_over(slot, value):
+    """Producer (one warp): value into a one-int32 shared-memory slot, stored before the barrier
+    arrival that tells the consumers the step's tiles are there (`handed` reads it after that
+    wait). A consumer's own load of a list entry stalls it: the wgmma fence of its next matmul
+    waits for the load (`_listed_tiles` in bwd_hopper.py has the backward's numbers). Forward,
+    H100, kernel ms (profiler, 2026-11-24), issue #4's causal top-k mask, B2 H16 4k, key / full
+    bias: consumer loads 0.397-0.402 / 0.433-0.436, handed over 0.390-0.394 / 0.421-0.426;
+    block masks unchanged (their consumers need no key start: no mask, bias or cut keys)."""
+    slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+
+
+@gluon.jit
+def handed(slot):
+    """Consumer warpgroup: the value `hand_over` left in slot, once its barrier is waited for."""
+    return gl.max(slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list,
              full_list, seqlen_q,
              seqlen_k, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
              MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr):
     """Producer: each consumer's query rows once, then the K and V tiles of step j (key tile
@@ -93,15 +111,22 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
     buffer before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the
     masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
     head, query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias
-    tiles, likewise."""
+    tiles, likewise. Explicit schedules: the next step's key tile into next_tiles beside the
+    buffer, before K's arrival (the list entry read a step ahead)."""
     for c in gl.static_range(2):
         _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
                    q_smem.index(c), HEAD_DIM, FLAT)
+    next_tile = _tile_at(0, num_part, part_list, full_list, EXPLICIT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
-        start_n = (first_tile + _tile_at(j, num_part, part_list, full_list, EXPLICIT)) * BLOCK_N
+        tile = next_tile
+        next_tile = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
+                             EXPLICIT)
+        start_n = (first_tile + tile) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
+        if EXPLICIT:
+            hand_over(next_tiles.index(buf), next_tile)
         if MASK_TMA or BIAS_TMA:
             k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_TMA * 2 * \
                 bias_desc.block_type.nbytes
@@ -258,7 +283,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
             window_left, window_right, qk_scale_log2, first_tile, num_tiles_cta, num_part,
             part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-            stride_bn, mask_smem, bias_smem, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+            stride_bn, mask_smem, bias_smem, next_tiles, CONSUMER: gl.constexpr,
+            HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -273,7 +299,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     right; a tile only the other consumer needs is still released once loaded, so the
     producer's ring keeps turning. This consumer's first step is always treated as PARTIAL.
     MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
-    else each consumer loads its own."""
+    else each consumer loads its own. Explicit schedules read each step's next key tile from
+    the producer (next_tiles) once the step's K is there."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -322,11 +349,13 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             seqlen_k - start_n, s_layout, HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
             MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
             EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
-        next_n = (first_tile + _tile_at(gl.minimum(first + 1, num_tiles - 1), num_part, part_list,
-                                        full_list, EXPLICIT)) * BLOCK_N
         first_buf = first % NUM_BUF
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         mbarrier.wait(k_ready.index(first_buf), (first // NUM_BUF) & 1)
+        if EXPLICIT:
+            next_n = handed(next_tiles.index(first_buf)) * BLOCK_N
+        else:
+            next_n = (first_tile + gl.minimum(first + 1, num_tiles - 1)) * BLOCK_N
         s = warpgroup_mma(q, k_smem.index(first_buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
         if HAS_MASK and MASK_TMA:
@@ -364,10 +393,10 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                         j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
                         l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset,
                         window_left, window_right, qk_scale_log2, first_tile, num_tiles,
-                        num_part, part_list, full_list, mask_rows, stride_mm, stride_mn,
-                        bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, CONSUMER,
-                        EXPLICIT, run != 1, (run != 1 and KEYS) or (EXPLICIT and not EVEN_N),
-                        HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
+                        mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                        mask_smem, bias_smem, next_tiles, CONSUMER, EXPLICIT, run != 1,
+                        (run != 1 and KEYS) or (EXPLICIT and not EVEN_N), HAS_MASK, MASK_TMA,
+                        MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                         BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT and run != 1,
                         HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
                         NUM_BUF, s_layout, o_layout, p_layout)
@@ -400,10 +429,10 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 @gluon.jit
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                      s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
-                     window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list,
-                     full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                     mask_smem, bias_smem,
-                     CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr, MASKED: gl.constexpr,
+                     window_right, qk_scale_log2, first_tile, num_tiles, mask_rows, stride_mm,
+                     stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
+                     next_tiles, CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr,
+                     MASKED: gl.constexpr,
                      KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                      MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
@@ -415,11 +444,10 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
     softmax of S_j runs while the second matmul is on the tensor cores. K_j's buffer goes back
     to the producer once S_j is done, V_{j-1}'s after its matmul. MASKED: a PARTIAL step (reads
-    the mask, applies the KEYS predicate). Returns the next step's key start, read a step ahead
-    like the mask / bias tiles, whose loads are issued before the waits (MASK_TMA / BIAS_TMA:
-    the producer's tiles are read while the matmuls run)."""
-    next_n = (first_tile + _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list,
-                                    full_list, EXPLICIT)) * BLOCK_N
+    the mask, applies the KEYS predicate). Returns the next step's key start (explicit: from
+    the producer, with K_j), known a step ahead like the mask / bias tiles, whose loads are
+    issued before the waits (MASK_TMA / BIAS_TMA: the producer's tiles are read while the
+    matmuls run)."""
     keep, bias = _elementwise_tiles(
         start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
         seqlen_k - start_n, s_layout, MASKED and HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
@@ -430,6 +458,10 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
     s = warpgroup_mma(q, k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
+    if EXPLICIT:
+        next_n = handed(next_tiles.index(buf)) * BLOCK_N
+    else:
+        next_n = (first_tile + gl.minimum(j + 1, num_tiles - 1)) * BLOCK_N
     mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
@@ -519,6 +551,9 @@ def _fwd_hopper_kernel(
     # each step's mask / bias, a [BM, BN] tile per consumer
     mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
     bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA)
+    # explicit schedules: the key tile of the step after each buffered one, from the producer
+    next_tiles = gl.allocate_shared_memory(gl.int32, [NUM_BUF, 1],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
@@ -532,16 +567,16 @@ def _fwd_hopper_kernel(
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
                    part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                   MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+                   stride_bn, mask_smem, bias_smem, next_tiles, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
                    BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
                    NUM_BUF, FLAT)),
         (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
                    part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, HAS_MASK,
-                   MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
+                   stride_bn, mask_smem, bias_smem, next_tiles, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
                    BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
                    NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
@@ -550,7 +585,8 @@ def _fwd_hopper_kernel(
                     off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
                     bias_desc, bias_smem,
                     off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA, BIAS_TMA)),
+                    next_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA,
+                    BIAS_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
