@@ -25,6 +25,7 @@ import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -35,8 +36,8 @@ from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import FULL, PARTIAL, KernelArgs, TileLists
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
 # SASS: an mbarrier's init, and a shared store at a fixed offset (warp_specialize's captures)
 _BARRIER_INIT = re.compile(r"SYNCS\.EXCH\.64 URZ, \[UR\d+\+0x([0-9a-f]+)\]")
 _FIXED_STORE = re.compile(r"\bSTS(\.U8|\.S8|\.U16|\.S16|\.64|\.128)? \[UR\d+\+0x([0-9a-f]+)\]")
@@ -74,9 +75,12 @@ def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
-        run = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
-                             capture_output=True, text=True)
-    # two runs of the GPU suite saw ptxas exit 255 under 10 parallel test processes
+        # the ptxas Triton compiled with: the PTX's .version is that one's. Inductor points
+        # TRITON_PTXAS_PATH at torch's own ptxas (CUDA 13 on the H100 hosts) for its process
+        # and children: Triton's bundled one (12.8) exited 255 on that PTX 9.0 in the GPU
+        # suite's shards that had compiled a FlexAttention call first
+        run = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", ptx.name,
+                              "-o", os.devnull], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"ptxas exited {run.returncode} on {fn.__name__}:\n{run.stdout}"
                            f"{run.stderr}")

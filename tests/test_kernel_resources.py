@@ -15,8 +15,8 @@ PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "
 
 def _run_tool(*args: str) -> str:
     """The tool's report (stdout); its stderr's tail in the failure if it exits non-zero."""
-    # the GPU tiles, not the interpreter's; the GPU hidden, as the compile needs none (under
-    # the GPU suite's parallel load two runs exited 1 with a GPU visible, the cause not kept)
+    # the GPU tiles, not the interpreter's; the GPU hidden, as the compile needs none. The
+    # environment is the test process's: after a FlexAttention compile it names torch's ptxas
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
                          env=env)
