@@ -11,8 +11,8 @@ registers, 164,864 bytes); ptxas counts spills in bytes (n_spills on the device 
 The Gluon kernels (fwd_hopper.py, bwd_hopper.py; bwd_hopper_wide.py at head dim 256) run their
 launchers the same way, with issue #4's element mask and biases on request; their partitions set
 their own register budgets (setmaxnreg), so `registers` is the launch's, and the spills are what
-tells. `barrier_bytes_overwritten` reads the SASS (cuobjdump): initialised mbarriers that a
-fixed-offset shared store also writes, which must be none.
+tells. `barriers` and `barrier_bytes_overwritten` read the SASS (cuobjdump): the mbarriers
+initialised, and their bytes that a fixed-offset shared store also writes, which must be none.
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ _FIXED_STORE = re.compile(r"\bSTS(\.U8|\.S8|\.U16|\.S16|\.64|\.128)? \[UR\d+\+0x
 _STORE_BYTES = {None: 4, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, ".64": 8, ".128": 16}
 
 
-def barrier_bytes_overwritten(cubin: bytes) -> int:
-    """Bytes of initialised mbarriers that a plain shared store at a fixed offset also writes.
+def barrier_overwrites(cubin: bytes) -> tuple[int, int]:
+    """(mbarriers initialised, bytes of them that a plain shared store at a fixed offset also
+    writes).
     Triton 3.6 gives a barrier that no partition uses (initialised, never waited on) to
     warp_specialize's captures, which the workers read back: on an H100 time-sliced between
     processes some warps then read the barrier's state in place of a loop bound and the
@@ -55,11 +56,11 @@ def barrier_bytes_overwritten(cubin: bytes) -> int:
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    barriers = {int(offset, 16) + byte for offset in _BARRIER_INIT.findall(sass)
-                for byte in range(8)}
+    inits = _BARRIER_INIT.findall(sass)
+    barriers = {int(offset, 16) + byte for offset in inits for byte in range(8)}
     stored = {int(offset, 16) + byte for width, offset in _FIXED_STORE.findall(sass)
               for byte in range(_STORE_BYTES[width or None])}
-    return len(barriers & stored)
+    return len(inits), len(barriers & stored)
 
 
 def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
@@ -86,12 +87,12 @@ def compile_for_target(fn: JITFunction, args, kwargs) -> dict:
                            f"{run.stderr}")
     report = run.stderr
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    barriers, overwritten = barrier_overwrites(compiled.asm["cubin"])
     return dict(kernel=fn.__name__, num_warps=options.num_warps, num_stages=options.num_stages,
                 registers=int(re.search(r"Used (\d+) registers", report).group(1)),
                 spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)),
-                shared_bytes=compiled.metadata.shared,
-                barrier_bytes_overwritten=barrier_bytes_overwritten(compiled.asm["cubin"]),
-                cubin=compiled.asm["cubin"])
+                shared_bytes=compiled.metadata.shared, barriers=barriers,
+                barrier_bytes_overwritten=overwritten, cubin=compiled.asm["cubin"])
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import triton
 
 TOOL = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernel_resources.py"
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+CUOBJDUMP = PTXAS.parent / "cuobjdump"
 
 
 def _run_tool(*args: str) -> str:
@@ -62,8 +63,6 @@ def test_gluon_kernels_fit_in_shared_memory(kernel, bias, head_dim, name):
     assert 160 * 1024 < int(report["shared_bytes"]) <= 232448
 
 
-CUOBJDUMP = PTXAS.parent / "cuobjdump"
-
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton build has no bundled cuobjdump")
 @pytest.mark.parametrize("kernel, flags", [
@@ -83,4 +82,6 @@ def test_gluon_kernels_keep_their_barriers_to_themselves(kernel, flags):
     SASS of each Gluon kernel form, as the tool reads it."""
     out = _run_tool("--kernel", kernel, "--seqlen", "256", *flags)
     report = dict(re.findall(r"(\w+)=(\w+)", out))
+    # the SASS was read: every form initialises its rings' barriers
+    assert int(report["barriers"]) >= 8, out
     assert report["barrier_bytes_overwritten"] == "0", out
