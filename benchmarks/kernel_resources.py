@@ -46,8 +46,7 @@ _STORE_BYTES = {None: 4, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, ".64": 8, ".1
 
 def barrier_overwrites(cubin: bytes) -> tuple[int, int]:
     """(mbarriers initialised, bytes of them that a plain shared store at a fixed offset also
-    writes).
-    Triton 3.6 gives a barrier that no partition uses (initialised, never waited on) to
+    writes). Triton 3.6 gives a barrier that no partition uses (initialised, never waited on) to
     warp_specialize's captures, which the workers read back: on an H100 time-sliced between
     processes some warps then read the barrier's state in place of a loop bound and the
     kernel hung (benchmarks/NOTES.md, "A hang under concurrent processes")."""

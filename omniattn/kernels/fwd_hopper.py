@@ -98,6 +98,18 @@ def handed(slot):
 
 
 @gluon.jit
+def _next_key_start(step, first_tile, num_tiles, next_tiles, buf, EXPLICIT: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+    """Consumer, once K of `step` (in buffer buf) is there: the key start of the step after it
+    (explicit: as the producer handed it over; the last step repeats itself)."""
+    if EXPLICIT:
+        tile = handed(next_tiles.index(buf))
+    else:
+        tile = first_tile + gl.minimum(step + 1, num_tiles - 1)
+    return tile * BLOCK_N
+
+
+@gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list,
              full_list, seqlen_q,
@@ -352,10 +364,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         first_buf = first % NUM_BUF
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         mbarrier.wait(k_ready.index(first_buf), (first // NUM_BUF) & 1)
-        if EXPLICIT:
-            next_n = handed(next_tiles.index(first_buf)) * BLOCK_N
-        else:
-            next_n = (first_tile + gl.minimum(first + 1, num_tiles - 1)) * BLOCK_N
+        next_n = _next_key_start(first, first_tile, num_tiles, next_tiles, first_buf, EXPLICIT,
+                                 BLOCK_N)
         s = warpgroup_mma(q, k_smem.index(first_buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
         if HAS_MASK and MASK_TMA:
@@ -458,10 +468,7 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
     s = warpgroup_mma(q, k_smem.index(buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
-    if EXPLICIT:
-        next_n = handed(next_tiles.index(buf)) * BLOCK_N
-    else:
-        next_n = (first_tile + gl.minimum(j + 1, num_tiles - 1)) * BLOCK_N
+    next_n = _next_key_start(j, first_tile, num_tiles, next_tiles, buf, EXPLICIT, BLOCK_N)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                         is_async=True)
