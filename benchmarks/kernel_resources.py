@@ -118,14 +118,15 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
     """The Gluon forward or backward launcher on CPU tensors: with `mask`, a bool mask spanning
     (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); with
     `full_lists` (no mask), lists of FULL tiles, as a block mask's; a bias of `bias_form` "key"
-    (B, H, 1, Sk) or "full" (B, H, Sq, Sk), with its gradient."""
+    (B, H, 1, Sk), "column" (B, H, Sq, 1) or "full" (B, H, Sq, Sk), with its gradient."""
     batch, seqlen, heads, head_dim = q.shape
     masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
         if mask else None
     bias = None
     if bias_form is not None:
-        rows = seqlen if bias_form == "full" else 1
-        bias = Elementwise.of(torch.randn(batch, heads, rows, seqlen, dtype=q.dtype), heads)
+        rows = 1 if bias_form == "key" else seqlen
+        cols = 1 if bias_form == "column" else seqlen
+        bias = Elementwise.of(torch.randn(batch, heads, rows, cols, dtype=q.dtype), heads)
 
     def lists(block_m: int, block_n: int, transposed: bool) -> TileLists:
         states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n),
@@ -152,7 +153,8 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
     schedule = lists(cfg.block_m, cfg.block_n, True) if mask or full_lists else None
     dbias = None
     if bias is not None:
-        # a key bias's sums over queries in fp32; a full bias's tiles in the inputs' dtype
+        # a key (column) bias's sums over queries (keys) in fp32; a full bias's tiles in the
+        # inputs' dtype
         grad = torch.empty(bias.tensor.shape, dtype=q.dtype if bias_form == "full"
                            else torch.float32)
         dbias = (grad, tuple(grad.stride()))
@@ -168,8 +170,9 @@ def main() -> None:
                         help="Gluon kernels: a bool element mask spanning (Sq, Sk)")
     parser.add_argument("--lists", action="store_true",
                         help="Gluon kernels: lists of FULL tiles (a block mask's), no mask")
-    parser.add_argument("--bias", choices=("key", "full"),
-                        help="Gluon kernels: a key bias (B, H, 1, Sk) or a full one")
+    parser.add_argument("--bias", choices=("key", "column", "full"),
+                        help="Gluon kernels: a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) "
+                        "or a full one")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--window", help="left,right (-1: unbounded), as attention's window")
     parser.add_argument("--head-dim", type=int, default=128)

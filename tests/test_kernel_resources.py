@@ -42,20 +42,24 @@ def test_forward_resources_of_the_tuned_config(tmp_path):
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
-@pytest.mark.parametrize("kernel, bias, head_dim, name", [
-    ("gluon-fwd", "key", 128, "_fwd_hopper_kernel"),
-    ("gluon-bwd", "full", 128, "_bwd_hopper_kernel"),
-    ("gluon-fwd", "key", 256, "_fwd_hopper_kernel"),
-    ("gluon-bwd", None, 256, "_bwd_wide_kernel"),
+@pytest.mark.parametrize("kernel, flags, head_dim, name", [
+    ("gluon-fwd", ["--mask", "--bias", "key"], 128, "_fwd_hopper_kernel"),
+    ("gluon-bwd", ["--mask", "--bias", "full"], 128, "_bwd_hopper_kernel"),
+    # three dS buffers (the mask's TMA ring takes the third's room), the bias tiles in them
+    ("gluon-bwd", ["--bias", "full"], 128, "_bwd_hopper_kernel"),
+    # the row sums of a one-column dbias: their scratch takes the third dS buffer's room
+    ("gluon-bwd", ["--mask", "--bias", "column"], 128, "_bwd_hopper_kernel"),
+    ("gluon-bwd", ["--bias", "column"], 128, "_bwd_hopper_kernel"),
+    ("gluon-fwd", ["--mask", "--bias", "key"], 256, "_fwd_hopper_kernel"),
+    ("gluon-bwd", [], 256, "_bwd_wide_kernel"),
 ])
-def test_gluon_kernels_fit_in_shared_memory(kernel, bias, head_dim, name):
-    """The Gluon kernels with issue #4's element mask and a key / full bias (tiles by TMA,
-    their rings in shared memory; at head dim 256 the forward's 64 query rows per consumer and
-    two 64-key K/V buffers, the backward's K, V and two q / dO buffers of 64 x 256, without
-    masks) compile for sm_90a within the H100's 232,448 bytes per block (a launch past it fails
-    only on the GPU)."""
-    masks = ["--mask", "--bias", bias] if bias is not None else []
-    out = _run_tool("--kernel", kernel, "--causal", *masks, "--seqlen", "256", "--head-dim",
+def test_gluon_kernels_fit_in_shared_memory(kernel, flags, head_dim, name):
+    """The Gluon kernels with issue #4's element mask and biases (tiles by TMA, their rings in
+    shared memory; at head dim 256 the forward's 64 query rows per consumer and two 64-key K/V
+    buffers, the backward's K, V and two q / dO buffers of 64 x 256, without masks) compile
+    for sm_90a within the H100's 232,448 bytes per block (a launch past it fails only on the
+    GPU)."""
+    out = _run_tool("--kernel", kernel, "--causal", *flags, "--seqlen", "256", "--head-dim",
                     str(head_dim))
     report = dict(re.findall(r"(\w+)=(\w+)", out))
     assert report["kernel"] == name

@@ -8,12 +8,13 @@ tiles, with their rows of lse and delta, through TMA into a ring of shared-memor
 consumer warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T
 (keys as the wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and
 dS^T through shared memory; once both halves of dS are there it computes dQ = dS K for its half
-of the head dim and reduce-adds it into an fp32 buffer through TMA (5 matmuls per tile pair; the
-Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before dS = P (dP - delta),
-as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a 2-byte bias
-spanning (Sq, Sk) by a TMA copy each consumer issues a step ahead into its half of the dS buffer
-that the step's dS overwrites; other mask and bias tiles are plain loads into the S^T layout,
-issued before the step's waits. Everything else runs in `bwd.py`."""
+of the head dim (in the step, or where a third dS buffer fits and it measured faster, in the next
+one: `hopper_backward_dq_trails`) and reduce-adds it into an fp32 buffer through TMA (5 matmuls
+per tile pair; the Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before
+dS = P (dP - delta), as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a
+2-byte bias spanning (Sq, Sk) by a TMA copy each consumer issues a step ahead into its half of the
+dS buffer that the step's dS overwrites; other mask and bias tiles are plain loads into the S^T
+layout, issued before the step's waits. Everything else runs in `bwd.py`."""
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,7 @@ from triton._C.libtriton import ir
 
 from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
 from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
-                      hopper_backward_splits_head_dim, sm_count)
+                      hopper_backward_dq_trails, hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
                          by_tma, flat_launch, gluon_candidate, hand_over, handed, producer_tiles,
@@ -206,25 +207,26 @@ def _zero_hidden_tiles(dbias_cols, stride_dbm, stride_dbn, num_part, part_list, 
 
 
 @gluon.jit
-def _bias_buffer(bias_desc, ds_smem, i, CONSUMER: gl.constexpr, HALF_N: gl.constexpr):
+def _bias_buffer(bias_desc, ds_smem, i, CONSUMER: gl.constexpr, HALF_N: gl.constexpr,
+                 NUM_DS: gl.constexpr):
     """Where step i's bias tile lands, [BM queries, BN/2 keys] as the TMA box (the bias's own
-    dtype and layout): this consumer's half of dS buffer i % 2, which the step's dS overwrites
-    once the bias is read."""
-    return ds_smem.index(i % 2).slice(CONSUMER * HALF_N, HALF_N)._reinterpret(
+    dtype and layout): this consumer's half of dS buffer i % NUM_DS, which the step's dS
+    overwrites once the bias is read."""
+    return ds_smem.index(i % NUM_DS).slice(CONSUMER * HALF_N, HALF_N)._reinterpret(
         bias_desc.dtype, bias_desc.block_type.shape, bias_desc.layout)
 
 
 @gluon.jit
 def _copy_bias_tile(bias_desc, row, key0, bias_ready, ds_smem, i, pred,
-                    CONSUMER: gl.constexpr, HALF_N: gl.constexpr):
+                    CONSUMER: gl.constexpr, HALF_N: gl.constexpr, NUM_DS: gl.constexpr):
     """The consumer's own TMA copy of step i's bias tile (query rows from row, keys from key0)
-    into `_bias_buffer`. Issued once both consumers' dQ of step i - 2 read that buffer: the
-    program's first step, a head's first step, or after step i - 1's ds_ready wait."""
+    into `_bias_buffer`. Issued once both consumers' dQ of step i - NUM_DS read that buffer:
+    the program's first step, a head's first step, or after the ds_ready wait of step i - 1
+    (i - 2 where dQ trails a step)."""
     ready = bias_ready.index(CONSUMER * 2 + i % 2)
     mbarrier.expect(ready, bias_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(bias_desc, [row, key0], ready,
-                                    _bias_buffer(bias_desc, ds_smem, i, CONSUMER, HALF_N),
-                                    pred=pred)
+    landing = _bias_buffer(bias_desc, ds_smem, i, CONSUMER, HALF_N, NUM_DS)
+    tma.async_copy_global_to_shared(bias_desc, [row, key0], ready, landing, pred=pred)
 
 
 @gluon.jit
@@ -238,12 +240,48 @@ def _listed_tiles(rows_smem, buf):
 
 
 @gluon.jit
+def _dq_matmuls(ds_buf, k_dq0, k_dq1, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, dq_layout: gl.constexpr):
+    """dQ = dS K of a step ([BM, D/2]: this consumer's half of the head dim) from both
+    consumers' halves of dS^T in ds_buf ([BN, BM]), issued, not waited for."""
+    dq = warpgroup_mma(ds_buf.slice(0, HALF_N).permute((1, 0)), k_dq0,
+                       gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)
+    return warpgroup_mma(ds_buf.slice(HALF_N, HALF_N).permute((1, 0)), k_dq1, dq,
+                         is_async=True)
+
+
+@gluon.jit
+def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_scale,
+                   CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   FLAT: gl.constexpr):
+    """This consumer's half of query tile tile_m's dQ (of head head), scaled, reduce-added into
+    the fp32 dQ buffer through dq_smem by TMA."""
+    # TMA boxes of a 128-byte swizzle span 32 fp32 columns: D/2 = 64 goes out as two boxes
+    dq_lo, dq_hi = gl.split((dq * softmax_scale).reshape([BLOCK_M, 2, HEAD_DIM // 4])
+                            .permute((0, 2, 1)))
+    tma.store_wait(0)  # the previous tile's reductions have read dq_smem
+    dq_smem.index(0).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_lo)
+    dq_smem.index(1).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_hi)
+    fence_async_shared()
+    for c in gl.static_range(2):
+        col = head * HEAD_DIM + CONSUMER * (HEAD_DIM // 2) + c * (HEAD_DIM // 4)
+        if FLAT:
+            _async_reduce_add(dq_desc, [off_b * seqlen_q + tile_m * BLOCK_M, col],
+                              dq_smem.index(c))
+        else:
+            _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
+                              dq_smem.index(c))
+
+
+@gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, head_bias, rows_smem, has_next, MASKED: gl.constexpr,
+                bias_row, bias_ready, head_bias, rows_smem, has_next, prev_tile_m, prev_head,
+                MASKED: gl.constexpr,
                 KEY_END: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
@@ -253,8 +291,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
                 EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                 HALF_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
-                s_layout: gl.constexpr, dq_layout: gl.constexpr):
+                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
+                FLAT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
     tiles drop keys right of each row's window (diag = Sk - Sq + window_right), left of it
@@ -264,7 +302,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
     added into the fp32 dbias by atomics (one column or a scalar: summed over keys) or is
     stored as the tile. Explicit schedules read the step's tile_m (and the next step's) from
-    rows_smem once its q has landed."""
+    rows_smem once its q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step
+    (prev_tile_m of head prev_head) is computed in this one. Returns (dk, dv, dbias_keys,
+    tile_m)."""
+    DQ_TRAILS: gl.constexpr = NUM_DS > 2
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
     next_m = tile_m + 1
@@ -303,8 +344,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     s_t = warpgroup_mma_wait(0, deps=(s_t,))  # [BN/2, BM]
     if BIAS_TMA:
         mbarrier.wait(bias_ready.index(CONSUMER * 2 + i % 2), (i // 2) & 1)
-        bias_t = _bias_buffer(bias_desc, ds_smem, i, CONSUMER, HALF_N).permute((1, 0)).load(
-            s_layout)
+        bias_t = _bias_buffer(bias_desc, ds_smem, i, CONSUMER, HALF_N,
+                              NUM_DS).permute((1, 0)).load(s_layout)
     if HAS_BIAS:
         p_t = gl.exp2(s_t * qk_scale_log2 + bias_t.to(gl.float32) * LOG2E)
     else:
@@ -352,48 +393,54 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             store_pair_tile(dbias_cols + start_m.to(gl.int64) * stride_dbm, ds_t, local_n,
                             local_m, stride_dbn, stride_dbm, cols_left, rows_left, False)
     ds_t = ds_t.to(q.dtype)
-    # dQ needs both consumers' halves of dS: one buffer per parity of i, so a consumer one tile
-    # ahead never overwrites what the other still reads
-    ds_buf = ds_smem.index(i % 2)
-    ds_own = ds_buf.slice(CONSUMER * HALF_N, HALF_N)
+    ds_own = ds_smem.index(i % NUM_DS).slice(CONSUMER * HALF_N, HALF_N)
     ds_own.store(ds_t)
     fence_async_shared()
-    mbarrier.arrive(ds_ready.index(i % 2))
+    if not DQ_TRAILS:
+        mbarrier.arrive(ds_ready.index(i % NUM_DS))
     dk = warpgroup_mma(ds_own, q, dk, is_async=True)
-    mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-    if BIAS_TMA:
-        _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
-                        i + 1, has_next, CONSUMER, HALF_N)
     if DBIAS and DBIAS_FROM_DS:
-        # read while the dQ wgmmas read it too
+        # read while the dK wgmma reads it too
         _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
                        stride_dbn, rows_left, cols_left, BLOCK_M, HALF_N, EVEN_M, EVEN_N)
-    dq = warpgroup_mma(ds_buf.slice(0, HALF_N).permute((1, 0)), k_dq0,
-                       gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False,
-                       is_async=True)  # [BM, D/2]
-    dq = warpgroup_mma(ds_buf.slice(HALF_N, HALF_N).permute((1, 0)), k_dq1, dq, is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-    mbarrier.arrive(qdo_free.index(buf))
-    # TMA boxes of a 128-byte swizzle span 32 fp32 columns: D/2 = 64 goes out as two boxes
-    dq_lo, dq_hi = gl.split((dq * softmax_scale).reshape([BLOCK_M, 2, HEAD_DIM // 4])
-                            .permute((0, 2, 1)))
-    tma.store_wait(0)  # the previous tile's reductions have read dq_smem
-    dq_smem.index(0).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_lo)
-    dq_smem.index(1).reshape([BLOCK_M, HEAD_DIM // 4]).store(dq_hi)
-    fence_async_shared()
-    for c in gl.static_range(2):
-        col = head * HEAD_DIM + CONSUMER * (HEAD_DIM // 2) + c * (HEAD_DIM // 4)
-        if FLAT:
-            _async_reduce_add(dq_desc, [off_b * seqlen_q + tile_m * BLOCK_M, col],
-                              dq_smem.index(c))
-        else:
-            _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
-                              dq_smem.index(c))
-    return dk, dv, dbias_keys
+    if DQ_TRAILS:
+        # dQ of the previous step: its dS is whole unless the other consumer is a step behind,
+        # so the consumers need not meet at every step (their softmax phases may drift apart).
+        # The program's first step has none: its dQ matmuls read a stale buffer, and their
+        # result is dropped (async accumulators cannot pass a branch)
+        prev_ds = (i + NUM_DS - 1) % NUM_DS
+        mbarrier.wait(ds_ready.index(prev_ds), ((i - 1) // NUM_DS) & 1, pred=i > 0)
+        if BIAS_TMA:
+            _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
+                            i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
+        dq = _dq_matmuls(ds_smem.index(prev_ds), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM,
+                         dq_layout)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(qdo_free.index(buf))
+        # this step's dS is there and the previous one's no longer read by this consumer
+        mbarrier.arrive(ds_ready.index(i % NUM_DS))
+        if i > 0:
+            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, prev_tile_m, prev_head, seqlen_q,
+                           softmax_scale, CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
+    else:
+        # one buffer per parity of i, so a consumer one tile ahead never overwrites what the
+        # other still reads
+        mbarrier.wait(ds_ready.index(i % NUM_DS), (i // NUM_DS) & 1)
+        if BIAS_TMA:
+            _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
+                            i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
+        dq = _dq_matmuls(ds_smem.index(i % NUM_DS), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM,
+                         dq_layout)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(qdo_free.index(buf))
+        _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_scale,
+                       CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
+    return dk, dv, dbias_keys, tile_m
 
 
 @gluon.jit
-def _query_tiles(steps_begin, steps_end, i, first, num_steps, rows_smem, q_smem,
+def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_steps, rows_smem,
+                 q_smem,
                  do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                  p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                  dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
@@ -407,23 +454,27 @@ def _query_tiles(steps_begin, steps_end, i, first, num_steps, rows_smem, q_smem,
                  DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
                  EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                  HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-                 FLAT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr):
+                 NUM_DS: gl.constexpr, FLAT: gl.constexpr, s_layout: gl.constexpr,
+                 dq_layout: gl.constexpr):
     """Steps [steps_begin, steps_end) of a head's query tiles through `_query_tile`, all MASKED
     or none: tiles first + j, or (explicit) those the producer read from the lists. Returns
-    (dk, dv, dbias_keys, i)."""
+    (dk, dv, dbias_keys, i, prev_tile_m, prev_head): the last step's tile and head."""
     for j in range(steps_begin, steps_end):
-        dk, dv, dbias_keys = _query_tile(
+        dk, dv, dbias_keys, prev_tile_m = _query_tile(
             i, first + j, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
             p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
             dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
             qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
-            bias_ready, head_bias, rows_smem, j + 1 < num_steps, MASKED, KEY_END, HAS_LEFT,
+            bias_ready, head_bias, rows_smem, j + 1 < num_steps, prev_tile_m, prev_head,
+            MASKED, KEY_END, HAS_LEFT,
             HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M,
-            EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout, dq_layout)
+            EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
+            dq_layout)
+        prev_head = head
         i += 1
-    return dk, dv, dbias_keys, i
+    return dk, dv, dbias_keys, i, prev_tile_m, prev_head
 
 
 @gluon.jit
@@ -444,8 +495,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
                    DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
                    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr,
-                   NUM_BUF: gl.constexpr, FLAT: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
+                   FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
     first_full) and [last_full, end_m) are masked, [first_full, last_full) whole; explicit: the
@@ -477,6 +528,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     mbarrier.wait(kv_ready.index(1), 0)
     mbarrier.wait(kv_ready.index(2 + CONSUMER), 0)
     i = 0
+    prev_tile_m = 0
+    prev_head = 0
     for h in range(group):
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
@@ -511,14 +564,15 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             # wait for the step's q to land (once per head, outside the loop of steps)
             first_m_of_head = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
             _copy_bias_tile(bias_desc, bias_row + first_m_of_head * BLOCK_M, key0, bias_ready,
-                            ds_smem, i, num_steps > 0, CONSUMER, HALF_N)
+                            ds_smem, i, num_steps > 0, CONSUMER, HALF_N, NUM_DS)
         # runs of steps: the masked ones, the whole ones, then (implicit) with a left bound the
         # tiles cut by the windows' left edges, or (explicit) FULL tiles past Sk
         run_ends = (0, num_masked, whole_end, num_steps)
         for run in gl.static_range(3):
             if run < 2 or HAS_LEFT or (EXPLICIT and not EVEN_N):
-                dk, dv, dbias_keys, i = _query_tiles(
-                    run_ends[run], run_ends[run + 1], i, first, num_steps, rows_smem,
+                dk, dv, dbias_keys, i, prev_tile_m, prev_head = _query_tiles(
+                    run_ends[run], run_ends[run + 1], i, prev_tile_m, prev_head, first,
+                    num_steps, rows_smem,
                     q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
                     k_dq0, k_dq1, p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
                     ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, head, seqlen_q,
@@ -528,13 +582,22 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     head_bias, run == 0 or (run == 2 and not EXPLICIT), run != 1, HAS_LEFT,
                     HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                     HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
-                    EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, FLAT, s_layout,
-                    dq_layout)
+                    EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
+                    s_layout, dq_layout)
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
             # a key bias: the sum over this head's queries, in the head's own slot
             gl.store(dbias_cols + (keys - key0) * stride_dbn,
                      dbias_keys.to(dbias_cols.dtype.element_ty), mask=keys < seqlen_k)
             dbias_keys = gl.zeros([HALF_N], gl.float32, gl.SliceLayout(1, s_layout))
+    if NUM_DS > 2:
+        if i > 0:
+            # the last step's dQ (both consumers arrived on its ds_ready after their steps)
+            mbarrier.wait(ds_ready.index((i - 1) % NUM_DS), ((i - 1) // NUM_DS) & 1)
+            dq = _dq_matmuls(ds_smem.index((i - 1) % NUM_DS), k_dq0, k_dq1, BLOCK_M, HALF_N,
+                             HEAD_DIM, dq_layout)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, prev_tile_m, prev_head, seqlen_q,
+                           softmax_scale, CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     # V's half is this consumer's alone; K's is read by the other consumer's dQ until it is done
     v_half.store(dv.to(v_half.dtype))
     mbarrier.arrive(kv_done)
@@ -591,7 +654,7 @@ def _bwd_hopper_kernel(
     BIAS_COLS_SHARED: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
-    NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+    NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
@@ -644,7 +707,7 @@ def _bwd_hopper_kernel(
     mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_DS, BLOCK_N, BLOCK_M], ds_layout)
     p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
     p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
     # dQ staging per consumer: two boxes laid out like the dQ descriptor's block
@@ -657,7 +720,7 @@ def _bwd_hopper_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     qdo_free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [NUM_DS, 1], mbarrier.MBarrierLayout())
     # per consumer, per parity of the step: its bias tile by TMA landed (`_copy_bias_tile`)
     bias_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # explicit schedules: each buffered step's query tile and the next, from the producer
@@ -670,7 +733,7 @@ def _bwd_hopper_kernel(
         mbarrier.init(q_ready.index(b), count=1)
         mbarrier.init(do_ready.index(b), count=1)
         mbarrier.init(qdo_free.index(b), count=2)  # one release per consumer
-    for b in gl.static_range(2):
+    for b in gl.static_range(NUM_DS):
         mbarrier.init(ds_ready.index(b), count=2)
     # initialised only where used: Triton gives an unused barrier's bytes to warp_specialize's
     # captures, and an H100 time-sliced between processes then handed some consumer warps the
@@ -695,8 +758,7 @@ def _bwd_hopper_kernel(
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
-                          BLOCK_N, HEAD_DIM,
-                          NUM_BUF, FLAT)),
+                          BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
@@ -712,8 +774,7 @@ def _bwd_hopper_kernel(
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
-                          BLOCK_N, HEAD_DIM,
-                          NUM_BUF, FLAT)),
+                          BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
                       off_hk, num_heads_k * group, delta_row0, start_n, first_m, end_m,
@@ -832,6 +893,9 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # H100, issue #4's full bias + top-k mask, backward kernel (profiler, 2 rounds): 1.976-1.990
     # ms with the bias loaded into the S^T layout (1032 B of spills), 1.490-1.512 by TMA (584)
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
+    # a third dS buffer (16 KB) fits beside neither the mask's ring nor that scratch
+    dq_trails = mask_tma is None and not one_column_dbias and hopper_backward_dq_trails(
+        args.has_left, args.has_right, num_heads // num_heads_k)
     launch(_bwd_hopper_kernel, grid,
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
@@ -855,7 +919,8 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         and dbias[0].dtype == q.dtype,
         EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers,
-        FLAT=flat, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        NUM_DS=3 if dq_trails else 2, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs,
         num_warps=4)
     dq.copy_(dq_sum)
     if dk_out is not None:

@@ -265,6 +265,21 @@ def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
     return _BWD_HOPPER.get(head_dim)
 
 
+def hopper_backward_dq_trails(has_left: bool, has_right: bool, group: int) -> bool:
+    """Whether the D128 Gluon backward computes each step's dQ in the next step (three dS
+    buffers: a consumer waits for the other's dS of the step before, so they need not meet at
+    every step) rather than in the step itself (two: they meet at each step's dS), where shared
+    memory holds the third buffer. H100, bf16, backward kernel ms (profiler, min of 3, one
+    process, 2026-11-24), two / three buffers: dense B2 H16 4k 1.383 / 1.312, B1 16k 11.66 /
+    11.16, key bias 4k 1.587 / 1.435, full bias 2.570 / 2.531, random block masks 16k at
+    density 1 / .11 11.59 / 11.16 and 1.315 / 1.257, GQA 16/4 causal 4k 0.751 / 0.705, GQA 32/8
+    causal 8k 2.81 / 2.61; but causal 4k 0.743 / 0.770 (with a key bias 0.877 / 0.873, a full
+    one 1.487 / 1.607), a (-1, 256) window 0.835 / 0.859, and with left bounds, GQA 16/4
+    (1024, 0) 0.419 / 0.449, (512, 512) 0.416 / 0.450: ptxas spills loop invariants there (22
+    local loads per step, none with two buffers; Nsight Compute)."""
+    return not has_left and (not has_right or group > 1)
+
+
 def hopper_backward_splits_head_dim(head_dim: int) -> bool:
     """Whether the Gluon backward at this head dim is bwd_hopper_wide's (dK / dV / dQ split by
     head dim between the consumers; no lists, masks or biases)."""
