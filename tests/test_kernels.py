@@ -207,6 +207,7 @@ BACK_TO_BACK = {
     "gqa-causal": (2, 8192, 16, 4, 128, dict(causal=True)),
     "d256-gqa-causal": (2, 4096, 16, 4, 256, dict(causal=True)),
     "dense": (2, 4096, 16, 16, 128, {}),
+    "d64-key-bias": (2, 4096, 16, 16, 64, dict(causal=True, key_bias=True)),
     # lists: the mask and the bias by TMA with K (forward) / with q (backward)
     "mask-full-bias": (2, 4096, 16, 16, 128, dict(causal=True, mask=True, full_bias=True)),
     "gqa-key-bias-sliding": (2, 4096, 16, 4, 128, dict(window=(1024, 0), key_bias=True)),

@@ -262,6 +262,32 @@ def test_gluon_forward_head_dim_256_with_mask_and_bias(gluon_calls, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", [
+    (2, 300, 410, 4, 2, torch.bfloat16, None, None, "bh1s", True, None, False),
+    (1, 255, 256, 4, 4, torch.float16, None, None, "bhqs", False, None, True),
+    (2, 1000, 1000, 8, 2, torch.bfloat16, None, None, "bhqs", True, None, False),
+    (1, 513, 2049, 4, 1, torch.float16, None, None, "bh1s", False, None, False),
+    (1, 700, 900, 4, 2, torch.bfloat16, None, None, "b1q1", True, None, False),
+    (2, 1, 17, 4, 1, torch.bfloat16, None, None, "bh1s", False, None, False),
+    (2, 640, 640, 4, 2, torch.float16, None, None, "bh1s", True, (200, -1), False),
+    (2, 200, 256, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bkqs", True, None, False),
+], ids=case_id)
+def test_gluon_backward_head_dim_64_with_mask_and_bias(gluon_calls, case):
+    """Head dim 64: biases (per key, (Sq, Sk) per query head with a fifth -inf, one column)
+    with their gradients take the Gluon backward on its implicit schedule (multi-tile, GQA,
+    odd lengths, a left window bound); an element mask's lists are at bwd.py's tiles, so that
+    call stays there. The forward is fwd.py's."""
+    (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
+     window, degenerate) = case
+    run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 64, dtype, mask_form, mask_dtype,
+             bias_form, causal=causal, window=window, masked_rows=degenerate,
+             neg_inf_bias=degenerate)
+    expected = [] if mask_form is not None else ["bwd"]
+    assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 def test_gluon_backward_with_shared_bias_without_grad(gluon_calls):
     """A (Sq, Sk) bias shared by each KV group and not learned: the Gluon backward's consumers
     copy its tiles by TMA from the group's head (rows past Sq are the next head's)."""

@@ -798,10 +798,18 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     shared by several query heads (its sum over them is bwd.py's). The caller excludes what
     `gluon_candidate` does not see (bitmaps, lengths, packing, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
-    if cfg is None or q.dim() != 4 or not gluon_candidate(q, args):
+    if cfg is None or q.dim() != 4 or not gluon_candidate(q, args, backward=True):
         return False
     if hopper_backward_splits_head_dim(q.shape[-1]) \
             and (schedule is not None or mask is not None or bias is not None):
+        return False
+    # head dim 64: only calls with a bias, where bwd.py's tiles are small. H100, bf16, B2 H16
+    # 4k, GPU ms of fwd+bwd calls (fwd.py's forward) with the Triton / Gluon backward
+    # (2026-11-24): key bias 1.482 / 1.417, causal + key bias 0.923 / 0.810, full bias 2.588 /
+    # 2.247, causal + full bias 1.731 / 1.369; without one dense 1.234 / 1.301, causal 0.709 /
+    # 0.742, GQA 16/4 dense 1.253 / 1.272, causal 0.750 / 0.715, (-1, 256) 0.827 / 0.806,
+    # (1024, 0) 0.423 / 0.439, GQA 32/8 causal 8k 2.593 / 2.606, B1 16k dense 9.650 / 9.588
+    if q.shape[-1] == 64 and bias is None:
         return False
     # implicit left windows at D128 without GQA stay in bwd.py: the Gluon kernel is faster, but
     # its fp32 dQ pass (zeroed by the pre-pass, converted after) costs as much on short rows.
@@ -895,7 +903,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
     # a third dS buffer (16 KB) fits beside neither the mask's ring nor that scratch
     dq_trails = mask_tma is None and not one_column_dbias and hopper_backward_dq_trails(
-        args.has_left, args.has_right, num_heads // num_heads_k)
+        head_dim, args.has_left, args.has_right, num_heads // num_heads_k)
     launch(_bwd_hopper_kernel, grid,
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),

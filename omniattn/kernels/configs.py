@@ -250,7 +250,10 @@ _FWD_HOPPER_FULL_BIAS = {
 # dim (one consumer's registers cannot hold dK and dV of 64 keys at D256). H100, B2 H16 4k,
 # backward kernel ms (profiler, 2026-11-24) dense / causal / GQA 16/4 causal: 3.50 / 1.86 / 1.96
 # against bwd.py's 5.08 / 3.46 / 3.49 (cuDNN's whole backward about 3.85 / 2.10 dense / causal)
+# D64: the D128 tiles (no spills; four q / dO buffers measured alike, dense 16k 9.48 against
+# 9.59 ms of fwd+bwd, causal 4k 0.754 / 0.742); `hopper_backward_applies` says which calls
 _BWD_HOPPER = {
+    64: HopperTileConfig(64, 128, 2, 240, 24),
     128: HopperTileConfig(64, 128, 2, 240, 24),
     256: HopperTileConfig(64, 64, 2, 240, 24),
 }
@@ -265,7 +268,8 @@ def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
     return _BWD_HOPPER.get(head_dim)
 
 
-def hopper_backward_dq_trails(has_left: bool, has_right: bool, group: int) -> bool:
+def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool,
+                              group: int) -> bool:
     """Whether the D128 Gluon backward computes each step's dQ in the next step (three dS
     buffers: a consumer waits for the other's dS of the step before, so they need not meet at
     every step) rather than in the step itself (two: they meet at each step's dS), where shared
@@ -276,8 +280,11 @@ def hopper_backward_dq_trails(has_left: bool, has_right: bool, group: int) -> bo
     causal 8k 2.81 / 2.61; but causal 4k 0.743 / 0.770 (with a key bias 0.877 / 0.873, a full
     one 1.487 / 1.607), a (-1, 256) window 0.835 / 0.859, and with left bounds, GQA 16/4
     (1024, 0) 0.419 / 0.449, (512, 512) 0.416 / 0.450: ptxas spills loop invariants there (22
-    local loads per step, none with two buffers; Nsight Compute)."""
-    return not has_left and (not has_right or group > 1)
+    local loads per step, none with two buffers; Nsight Compute). At head dim 64 nothing
+    spills and three won everywhere: GPU ms of fwd+bwd calls (fwd.py's forward), dense 4k
+    1.395 / 1.301, causal 0.791 / 0.742, GQA 16/4 causal 0.776 / 0.715, causal + key bias
+    0.839 / 0.810, GQA 16/4 (1024, 0) 0.459 / 0.439, dense 16k 10.33 / 9.59."""
+    return head_dim < 128 or (not has_left and (not has_right or group > 1))
 
 
 def hopper_backward_splits_head_dim(head_dim: int) -> bool:

@@ -21,8 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import implicit_kv_range, load_pair_tile, schedule_rows
-from .configs import (cdiv, compute_capability, gluon_enabled, hopper_forward_config,
-                      interpreting)
+from .configs import (cdiv, compute_capability, gluon_enabled, hopper_backward_config,
+                      hopper_forward_config, interpreting)
 from .elementwise import Elementwise
 from .launch import launch
 from .schedule import KernelArgs, TileLists
@@ -598,17 +598,18 @@ def _fwd_hopper_kernel(
 
 
 def gluon_candidate(q: torch.Tensor, args: KernelArgs,
-                    full_bias: torch.Tensor | None = None) -> bool:
-    """Whether the Gluon kernels can take calls on q's device, dtype and head dim with these
-    arguments: sm90, bf16 / fp16, a head dim they have tiles for, no softcap; a bias spanning
-    (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off
-    by OMNIATTN_GLUON=0."""
+                    full_bias: torch.Tensor | None = None, backward: bool = False) -> bool:
+    """Whether the Gluon forward (backward: the Gluon backward) can take calls on q's device,
+    dtype and head dim with these arguments: sm90, bf16 / fp16, a head dim it has tiles for, no
+    softcap; a bias spanning (Sq, Sk) (full_bias) only with 2-byte elements that
+    `tiles_by_tma` accepts; not turned off by OMNIATTN_GLUON=0."""
     if not gluon_enabled() or interpreting() or q.device.type != "cuda":
         return False
     if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
         return False
-    if compute_capability(q.device)[0] != 9 \
-            or hopper_forward_config(q.shape[-1], full_bias is not None) is None:
+    config = hopper_backward_config(q.shape[-1]) if backward \
+        else hopper_forward_config(q.shape[-1], full_bias is not None)
+    if compute_capability(q.device)[0] != 9 or config is None:
         return False
     return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0
 
