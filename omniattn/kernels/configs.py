@@ -270,10 +270,10 @@ def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
 
 def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool,
                               group: int) -> bool:
-    """Whether the D128 Gluon backward computes each step's dQ in the next step (three dS
-    buffers: a consumer waits for the other's dS of the step before, so they need not meet at
-    every step) rather than in the step itself (two: they meet at each step's dS), where shared
-    memory holds the third buffer. H100, bf16, backward kernel ms (profiler, min of 3, one
+    """Whether the Gluon backward (bwd_hopper.py, head dims 64 and 128) computes each step's
+    dQ in the next step (three dS buffers: a consumer waits for the other's dS of the step
+    before, so they need not meet at every step) rather than in the step itself (two: they
+    meet at each step's dS), where shared memory holds the third buffer. H100, bf16, backward kernel ms (profiler, min of 3, one
     process, 2026-11-24), two / three buffers: dense B2 H16 4k 1.383 / 1.312, B1 16k 11.66 /
     11.16, key bias 4k 1.587 / 1.435, full bias 2.570 / 2.531, random block masks 16k at
     density 1 / .11 11.59 / 11.16 and 1.315 / 1.257, GQA 16/4 causal 4k 0.751 / 0.705, GQA 32/8
