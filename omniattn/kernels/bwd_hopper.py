@@ -403,36 +403,30 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
         # read while the dK wgmma reads it too
         _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
                        stride_dbn, rows_left, cols_left, BLOCK_M, HALF_N, EVEN_M, EVEN_N)
+    # dQ of this step or (DQ_TRAILS) of the previous one, whose dS is whole unless the other
+    # consumer is a step behind, so the consumers need not meet at every step (their softmax
+    # phases may drift apart). The program's first step has no previous one: its dQ matmuls
+    # read a stale buffer and their result is dropped (async accumulators cannot pass a branch)
+    dq_ds = (i + NUM_DS - 1) % NUM_DS if DQ_TRAILS else i % NUM_DS
     if DQ_TRAILS:
-        # dQ of the previous step: its dS is whole unless the other consumer is a step behind,
-        # so the consumers need not meet at every step (their softmax phases may drift apart).
-        # The program's first step has none: its dQ matmuls read a stale buffer, and their
-        # result is dropped (async accumulators cannot pass a branch)
-        prev_ds = (i + NUM_DS - 1) % NUM_DS
-        mbarrier.wait(ds_ready.index(prev_ds), ((i - 1) // NUM_DS) & 1, pred=i > 0)
-        if BIAS_TMA:
-            _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
-                            i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
-        dq = _dq_matmuls(ds_smem.index(prev_ds), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM,
-                         dq_layout)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(qdo_free.index(buf))
+        mbarrier.wait(ds_ready.index(dq_ds), ((i - 1) // NUM_DS) & 1, pred=i > 0)
+    else:
+        # one buffer per parity of i, so a consumer one tile ahead never overwrites what the
+        # other still reads
+        mbarrier.wait(ds_ready.index(dq_ds), (i // NUM_DS) & 1)
+    if BIAS_TMA:
+        _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
+                        i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
+    dq = _dq_matmuls(ds_smem.index(dq_ds), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM, dq_layout)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    mbarrier.arrive(qdo_free.index(buf))
+    if DQ_TRAILS:
         # this step's dS is there and the previous one's no longer read by this consumer
         mbarrier.arrive(ds_ready.index(i % NUM_DS))
         if i > 0:
             _reduce_add_dq(dq, dq_smem, dq_desc, off_b, prev_tile_m, prev_head, seqlen_q,
                            softmax_scale, CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     else:
-        # one buffer per parity of i, so a consumer one tile ahead never overwrites what the
-        # other still reads
-        mbarrier.wait(ds_ready.index(i % NUM_DS), (i // NUM_DS) & 1)
-        if BIAS_TMA:
-            _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
-                            i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
-        dq = _dq_matmuls(ds_smem.index(i % NUM_DS), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM,
-                         dq_layout)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(qdo_free.index(buf))
         _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_scale,
                        CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     return dk, dv, dbias_keys, tile_m
