@@ -114,11 +114,12 @@ def launches_compiled(names: set[str], reports: list[dict]):
 
 
 def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs, mask: bool,
-                bias_form: str | None, full_lists: bool) -> None:
+                bias_form: str | None, full_lists: bool, row_lengths: bool) -> None:
     """The Gluon forward or backward launcher on CPU tensors: with `mask`, a bool mask spanning
     (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); with
     `full_lists` (no mask), lists of FULL tiles, as a block mask's; a bias of `bias_form` "key"
-    (B, H, 1, Sk), "column" (B, H, Sq, 1) or "full" (B, H, Sq, Sk), with its gradient."""
+    (B, H, 1, Sk), "column" (B, H, Sq, 1) or "full" (B, H, Sq, Sk), with its gradient;
+    `row_lengths`: per-row key lengths alone, the rows in length order."""
     batch, seqlen, heads, head_dim = q.shape
     masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
         if mask else None
@@ -133,11 +134,16 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                             PARTIAL if mask else FULL, dtype=torch.int8)
         return TileLists.from_states(states, block_m, block_n, transposed)
 
+    # lengths sorted longest first, and the caller row of each
+    lengths = (torch.arange(seqlen, 0, -1, dtype=torch.int32).expand(batch, seqlen).contiguous(),
+               torch.arange(seqlen, dtype=torch.int32).expand(batch, seqlen).contiguous()) \
+        if row_lengths else (None, None)
     if kernel == "gluon-fwd":
         cfg = fwd_hopper.hopper_forward_config(head_dim, bias_form == "full")
         schedule = lists(cfg.block_m, cfg.block_n, False) if mask or full_lists else None
         fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q),
-                                  torch.empty(batch, heads, seqlen), schedule, masks, bias)
+                                  torch.empty(batch, heads, seqlen), schedule, masks, bias,
+                                  *lengths)
         return
     cfg = configs.hopper_backward_config(head_dim)
     row_stats, _, _ = bwd_hopper.backward_row_stats(torch.zeros(batch, heads, seqlen),
@@ -159,7 +165,7 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                            else torch.float32)
         dbias = (grad, tuple(grad.stride()))
     bwd_hopper.hopper_backward(q, q, k, k, row_stats, torch.zeros(q.shape), args, *grads,
-                               schedule, masks, bias, dbias)
+                               schedule, masks, bias, dbias, *lengths)
 
 
 def main() -> None:
@@ -173,6 +179,8 @@ def main() -> None:
     parser.add_argument("--bias", choices=("key", "column", "full"),
                         help="Gluon kernels: a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) "
                         "or a full one")
+    parser.add_argument("--row-lengths", action="store_true",
+                        help="Gluon kernels: per-row key lengths alone, rows in length order")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--window", help="left,right (-1: unbounded), as attention's window")
     parser.add_argument("--head-dim", type=int, default=128)
@@ -204,7 +212,8 @@ def main() -> None:
         elif opts.kernel == "bwd":
             bwd.attention_backward(q, q, k, v, q, lse, args)
         else:
-            _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists)
+            _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
+                        opts.row_lengths)
     for report in reports:
         cubin = report.pop("cubin")
         if opts.cubin:

@@ -199,7 +199,8 @@ def test_gluon_kernels(gluon_calls, case):
 
 
 # workloads run back to back without a sync: (batch, seqlen, heads, heads_k, head_dim, options);
-# "mask" / "full_bias" / "key_bias" / "block_window" stand for tensors made in the test
+# "mask" / "full_bias" / "key_bias" / "block_window" / "row_lengths" stand for tensors made in
+# the test
 BACK_TO_BACK = {
     # each program's second consumer skips the first key tile its producer loads
     "d256-sliding": (2, 8192, 16, 16, 256, dict(window=(1024, 0))),
@@ -212,6 +213,8 @@ BACK_TO_BACK = {
     "mask-full-bias": (2, 4096, 16, 16, 128, dict(causal=True, mask=True, full_bias=True)),
     "gqa-key-bias-sliding": (2, 4096, 16, 4, 128, dict(window=(1024, 0), key_bias=True)),
     "block-mask-window": (1, 16384, 16, 16, 128, dict(block_window=(1024, 0))),
+    # per-row key lengths alone: q gathered and out scattered by the consumers
+    "row-lengths": (2, 8192, 16, 16, 128, dict(row_lengths=True)),
 }
 
 
@@ -237,6 +240,9 @@ def test_gluon_back_to_back_calls_are_bit_identical(gluon_calls, name):
         bias = torch.randn(batch, heads, 1, seqlen, device=DEVICE, dtype=torch.bfloat16)
     if bias is not None:
         options["attn_bias"] = bias.requires_grad_()
+    if options.pop("row_lengths", False):
+        options["seqlens_k_per_row"] = torch.randint(0, seqlen + 1, (batch, seqlen),
+                                                     device=DEVICE, dtype=torch.int32)
     if "block_window" in options:
         options["block_mask"] = omniattn.window_block_mask(
             seqlen, seqlen, options.pop("block_window"), device=DEVICE)

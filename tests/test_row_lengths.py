@@ -102,6 +102,25 @@ def test_length_order(max_rank_pairs):
     assert torch.equal(sorted_lens, (9 - shortfall).to(torch.int32))
 
 
+def test_rows_to_callers():
+    """Rows computed in length order go back to the caller's rows, cast to the destination's
+    dtype, through strided (B, S, H, D) views; nothing else of the destination is written."""
+    from omniattn.kernels.sequences import rows_to_callers
+
+    generator = torch.Generator().manual_seed(4)
+    src = torch.randn(2, 37, 3, 24, generator=generator).to(DEVICE)
+    order = torch.stack([torch.randperm(37, generator=generator) for _ in range(2)])
+    order = order.to(DEVICE, torch.int32)
+    storage = torch.full((2, 3, 37, 40), float("nan"), device=DEVICE, dtype=torch.float16)
+    dst = storage[..., :24].transpose(1, 2)  # (B, S, H, D), rows 40 apart per head
+    rows_to_callers(src, order, dst)
+    expected = torch.empty_like(src)
+    for b in range(2):
+        expected[b, order[b].long()] = src[b]
+    assert torch.equal(dst, expected.to(torch.float16))
+    assert storage[..., 24:].isnan().all()
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_lengths_alone_group_rows(monkeypatch, deterministic):
     """Lengths as the only mask: attention reorders the rows by length and the kernels take each
@@ -123,6 +142,33 @@ def test_lengths_alone_group_rows(monkeypatch, deterministic):
                                   return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(out, lse, grads, q, k, v, dout, seqlens_k_per_row=lens)
+
+
+# (B, Sq, Sk, H, Hk, D, dtype): several query and key tiles, lengths past the tiles' edges,
+# a last tile cut short, GQA; D256 runs the Gluon forward and bwd.py's backward
+GLUON_ROWS = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16),
+              (1, 513, 2049, 4, 1, 128, torch.float16),
+              (2, 1024, 384, 4, 4, 128, torch.bfloat16),
+              (3, 129, 1, 2, 2, 128, torch.float16),
+              (2, 700, 900, 4, 2, 256, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", GLUON_ROWS, ids=case_id)
+def test_gluon_row_lengths(gluon_calls, case):
+    """Lengths alone on the Gluon kernels, rows in length order: each consumer gathers its q
+    rows and scatters out / lse, the backward reads q / dO copied into that order and writes dQ
+    back to each row. Random lengths with rows of length 0 and Sk and a run of equal ones in
+    batch 0, "i + 1" (the caller's order reversed) in batch 1."""
+    batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype = case
+    assert omniattn.api.groups_rows_by_length(seqlen_q, head_dim, dtype)
+    lens = random_row_lens(batch, seqlen_q, seqlen_k, seed=seqlen_q)
+    lens[0, 3:seqlen_q // 2] = seqlen_k // 3
+    if batch > 1:
+        lens[1] = torch.arange(1, seqlen_q + 1, device=DEVICE).clamp(max=seqlen_k)
+    run_rows(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, lens)
+    assert gluon_calls == (["fwd", "bwd"] if head_dim == 128 else ["fwd"]), gluon_calls
 
 
 def test_row_lengths_with_mask_bias_and_block_mask():

@@ -71,7 +71,8 @@ def _bwd_preprocess(
     """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head), stored for rows
     below stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in
     length order); delta is stored in that order and q, dO, lse are copied into it (QInOrder,
-    DOutInOrder, LseInOrder) for the backward kernel. FOR_GLUON: the Gluon backward's other
+    DOutInOrder, LseInOrder; not lse with FOR_GLUON) for the backward kernel. FOR_GLUON: the
+    Gluon backward's other
     operands too (a memset launch less per call, and two fills at lengths that are not a
     multiple of its tile): lse * inv_scale in LseScaled (laid out like delta; +inf where
     lse = -inf, a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q)
@@ -97,7 +98,7 @@ def _bwd_preprocess(
     in_stats = offs_m < stats_rows
     tl.store(Delta + off_b * stride_db + off_h * stride_dh + offs_m, delta, mask=in_stats)
     if FOR_GLUON:
-        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m, mask=in_rows,
+        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + callers, mask=in_rows,
                       other=float("-inf"))
         tl.store(LseScaled + off_b * stride_db + off_h * stride_dh + offs_m,
                  tl.where(lse == float("-inf"), float("inf"), lse * inv_scale), mask=in_stats)
@@ -114,9 +115,11 @@ def _bwd_preprocess(
                       + offs_d[None, :], offs_m, seqlen_q, offs_d, False, HEAD_DIM, BLOCK_D)
         tl.store(QInOrder + off_b * stride_sqb + off_h * stride_sqh + in_order * stride_sqm
                  + offs_d[None, :], q, mask=store_mask)
-        lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + callers, mask=in_rows)
-        # laid out like delta (both empty_like(lse))
-        tl.store(LseInOrder + off_b * stride_db + off_h * stride_dh + offs_m, lse, mask=in_rows)
+        if not FOR_GLUON:
+            lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + callers, mask=in_rows)
+            # laid out like delta (both empty_like(lse))
+            tl.store(LseInOrder + off_b * stride_db + off_h * stride_dh + offs_m, lse,
+                     mask=in_rows)
 
 
 @triton.jit
@@ -815,7 +818,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dv = torch.empty_like(v) if dv is None else dv
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    gluon = bits is None and row_lens is None and packed is None and dropout[0] == 0 \
+    # per-row key lengths only in length order, and not at the head dims bwd_hopper_wide takes
+    lengths_fit = row_lens is None or (row_order is not None
+                                       and not hopper_backward_splits_head_dim(head_dim))
+    gluon = bits is None and lengths_fit and packed is None and dropout[0] == 0 \
         and not deterministic and q.numel() > 0 and k.numel() > 0 and hopper_backward_applies(
             q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
             bias_grad)
@@ -847,8 +853,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     # programs' inner loop instead (each query tile's rows looked up) cost 30% of the backward
     # on the H100, and 35% with the indices loaded one iteration ahead
     if row_order is not None:
-        q_in_order, dout_in_order, lse_in_order = \
-            torch.empty_like(q), torch.empty_like(dout), torch.empty_like(delta)
+        # the Gluon kernel reads lse / scale in length order from row_stats instead
+        q_in_order, dout_in_order = torch.empty_like(q), torch.empty_like(dout)
+        lse_in_order = placeholder(q.device, torch.float32) if gluon else torch.empty_like(delta)
         order_operands = (row_order, q_in_order, dout_in_order, lse_in_order)
         order_strides = (row_order.stride(0), *row_strides(q_in_order),
                          *row_strides(dout_in_order))
@@ -878,7 +885,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         else:
             hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                             schedule.dkdv if schedule is not None else None, mask, bias,
-                            (dbias_buffer, dbias_strides) if bias_grad else None)
+                            (dbias_buffer, dbias_strides) if bias_grad else None, row_lens,
+                            row_order)
         return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
     n_tiles_m = cdiv(seqlen_q, block_m2)
     n_tiles_n = cdiv(seqlen_k, block_n1)

@@ -34,7 +34,7 @@ from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
                          tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
-from .sequences import tma_compatible
+from .sequences import row_lens_operands, rows_to_callers, tma_compatible
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -281,10 +281,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
                 bias_row, bias_ready, head_bias, rows_smem, has_next, prev_tile_m, prev_head,
-                MASKED: gl.constexpr,
+                lens_rows, MASKED: gl.constexpr,
                 KEY_END: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+                EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                 MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                 HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -301,7 +301,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     bias_cols / dbias_cols point at this consumer's first key (key0), query 0, of the head.
     DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
     added into the fp32 dbias by atomics (one column or a scalar: summed over keys) or is
-    stored as the tile. Explicit schedules read the step's tile_m (and the next step's) from
+    stored as the tile. ROW_ORDER: MASKED tiles also drop the keys past each row's length
+    (lens_rows: the batch's lengths, rows in length order). Explicit schedules read the step's
+    tile_m (and the next step's) from
     rows_smem once its q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step
     (prev_tile_m of head prev_head) is computed in this one. Returns (dk, dv, dbias_keys,
     tile_m)."""
@@ -321,6 +323,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     # during the wait
     keep_t = 0
     bias_t = 0
+    row_ends = 0
+    if MASKED and ROW_ORDER:
+        row_ends = gl.load(lens_rows + start_m + local_m, mask=local_m < rows_left, other=0)
     if MASKED and HAS_MASK and not MASK_TMA:
         keep_t = load_pair_tile(mask_cols + start_m.to(gl.int64) * stride_mm, local_n, local_m,
                                 stride_mn, stride_mm, cols_left, rows_left, MASK_COLS_SHARED,
@@ -367,6 +372,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 p_t = gl.where(keys[:, None] <= rows[None, :] + diag, p_t, 0.0)
         if HAS_LEFT:
             p_t = gl.where(keys[:, None] >= (start_m + local_m)[None, :] + diag_left, p_t, 0.0)
+        if ROW_ORDER:
+            p_t = gl.where(keys[:, None] < row_ends[None, :], p_t, 0.0)
     # P^T (bf16 from here on: dS^T uses it too) and dS^T go to shared memory as the A operands
     # of dV and dK. dP^T after P^T: S^T and dP^T in flight together, with P^T in fp32, left the
     # consumer short of registers (ptxas spilled and serialised the wgmmas)
@@ -440,8 +447,9 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
                  dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
                  qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                  stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                 bias_row, bias_ready, head_bias, MASKED: gl.constexpr, KEY_END: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                 bias_row, bias_ready, head_bias, lens_rows, MASKED: gl.constexpr,
+                 KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
                  HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
                  MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                  BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -461,8 +469,8 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
             qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
             bias_ready, head_bias, rows_smem, j + 1 < num_steps, prev_tile_m, prev_head,
-            MASKED, KEY_END, HAS_LEFT,
-            HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            lens_rows, MASKED, KEY_END, HAS_LEFT,
+            HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
             HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M,
             EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
             dq_layout)
@@ -481,8 +489,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
                    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
                    stride_dbh, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row0,
-                   bias_ready, rows_smem, CONSUMER: gl.constexpr,
+                   bias_ready, rows_smem, lens_rows, CONSUMER: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                   ROW_ORDER: gl.constexpr,
                    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -493,7 +502,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
-    first_full) and [last_full, end_m) are masked, [first_full, last_full) whole; explicit: the
+    first_full) and [last_full, end_m) are masked (ROW_ORDER: by the rows' lengths too),
+    [first_full, last_full) whole; explicit: the
     PARTIAL ones, or all of them when the key tile runs past Sk. mask_batch / bias_batch /
     dbias_batch point at key start_n of the batch."""
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -563,7 +573,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         # tiles cut by the windows' left edges, or (explicit) FULL tiles past Sk
         run_ends = (0, num_masked, whole_end, num_steps)
         for run in gl.static_range(3):
-            if run < 2 or HAS_LEFT or (EXPLICIT and not EVEN_N):
+            if run < 2 or HAS_LEFT or ROW_ORDER or (EXPLICIT and not EVEN_N):
                 dk, dv, dbias_keys, i, prev_tile_m, prev_head = _query_tiles(
                     run_ends[run], run_ends[run + 1], i, prev_tile_m, prev_head, first,
                     num_steps, rows_smem,
@@ -573,8 +583,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
                     stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
                     stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
-                    head_bias, run == 0 or (run == 2 and not EXPLICIT), run != 1, HAS_LEFT,
-                    HAS_RIGHT, EXPLICIT, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                    head_bias, lens_rows, run == 0 or (run == 2 and not EXPLICIT), run != 1,
+                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
                     HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
                     EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
                     s_layout, dq_layout)
@@ -610,6 +620,28 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
 
 
 @gluon.jit
+def length_q_tiles(lens_rows, start_n, seqlen_q, seqlen_k, num_m_tiles, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CHUNK: gl.constexpr = 512):
+    """(full_end, end) of key tile [start_n, start_n + BN) for rows in length order, longest
+    first (lens_rows: the batch's lengths, clamped to Sk): query tiles [0, end) have a row that
+    reaches the tile (their first row does), [0, full_end) only rows that see all of it (their
+    last row does). Two loads per CHUNK query tiles, not a pass over the rows."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    key_hi = gl.minimum(start_n + BLOCK_N, seqlen_k)
+    end = 0
+    full_end = 0
+    for first in range(0, num_m_tiles, CHUNK):
+        tiles = first + gl.arange(0, CHUNK, layout=layout)
+        inside = tiles < num_m_tiles
+        longest = gl.load(lens_rows + tiles * BLOCK_M, mask=inside, other=0)
+        shortest = gl.load(lens_rows + gl.minimum(tiles * BLOCK_M + BLOCK_M, seqlen_q) - 1,
+                           mask=inside, other=0)
+        end += gl.sum((longest > start_n).to(gl.int32), 0)
+        full_end += gl.sum((shortest >= key_hi).to(gl.int32), 0)
+    return full_end, end
+
+
+@gluon.jit
 def key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group, BLOCK_N: gl.constexpr,
                      LONGEST_FIRST: gl.constexpr):
     """(key tile, batch, KV head) of this program of a `key_tile_grid` launch."""
@@ -639,9 +671,9 @@ def _bwd_hopper_kernel(
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div, bias_desc, bias_batch_rows,
-    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn, RowLens, stride_rlb,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    EXPLICIT: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+    EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
     MASK_ROWS_SHARED: gl.constexpr,
     MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
@@ -670,6 +702,12 @@ def _bwd_hopper_kernel(
             BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if not HAS_LEFT:
             last_full = end_m  # a last tile past Sq is whole here: its rows have p = 0
+    # rows in length order (per-row key lengths alone): the tiles that see these keys, and
+    # those that see all of them, are prefixes
+    lens_rows = RowLens + off_b.to(gl.int64) * stride_rlb
+    if ROW_ORDER:
+        last_full, end_m = length_q_tiles(lens_rows, start_n, seqlen_q, seqlen_k, num_m_tiles,
+                                          BLOCK_M, BLOCK_N)
     if start_n + BLOCK_N > seqlen_k:
         first_full = end_m  # keys past Sk in every tile
         last_full = end_m
@@ -747,8 +785,8 @@ def _bwd_hopper_kernel(
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, 0,
-                          HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, 0,
+                          HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -763,8 +801,8 @@ def _bwd_hopper_kernel(
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, 1,
-                          HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, 1,
+                          HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
@@ -838,8 +876,9 @@ def backward_row_stats(lse: torch.Tensor, block_m: int):
 
 def key_tile_grid(n_tiles_n: int, num_pairs: int, longest_first: bool, device: torch.device):
     """(grid, pairs_per_group) of a Gluon backward whose programs each own a key tile of a
-    (batch, KV head) pair: longest_first (causal), a 1-d grid the kernel maps to key tile 0s
-    first, pairs in groups of `causal_pairs_per_group`; else (key tiles, pairs)."""
+    (batch, KV head) pair: longest_first (causal, rows in length order), a 1-d grid the kernel
+    maps to key tile 0s first, pairs in groups of `causal_pairs_per_group`; else (key tiles,
+    pairs)."""
     if longest_first:
         return (num_pairs * n_tiles_n,), causal_pairs_per_group(n_tiles_n, num_pairs,
                                                                  sm_count(device))
@@ -858,7 +897,8 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                     schedule: TileLists | None = None,
                     mask: Elementwise | None = None, bias: Elementwise | None = None,
-                    dbias: tuple | None = None) -> None:
+                    dbias: tuple | None = None, row_lens: torch.Tensor | None = None,
+                    row_order: torch.Tensor | None = None) -> None:
     """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout
     (like q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse);
     dQ is summed in dq_sum (fp32 like q, zeroed) and copied to dq.
@@ -866,12 +906,16 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     every tile. dbias: (buffer, its 4 strides), a slot per query head: a key bias's sums over
     queries, a (Sq, Sk) bias's tiles (those no list visits are the caller's to zero), or, for
     a bias with one column, sums over keys added into it (fp32, zeroed by the caller).
+    row_lens / row_order (per-row key lengths alone, `length_order`): dout, q and row_stats
+    come in length order, dQ is summed in it and written to the caller's rows of dq.
     The caller checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles,
     so it is not bitwise reproducible."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     if mask is not None and schedule is None:
         raise ValueError("hopper_backward: an element mask comes with its schedule's lists")
+    if (row_lens is None) != (row_order is None):
+        raise ValueError("hopper_backward: row_lens and row_order come together")
     cfg = hopper_backward_config(head_dim)
     if not tma_compatible(dk, dv):
         dk_out, dv_out, dk, dv = dk, dv, torch.empty_like(k), torch.empty_like(v)
@@ -879,7 +923,10 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         dk_out = dv_out = None
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
                        dv)
-    longest_first = schedule is None and args.later_rows_see_more
+    # rows in length order: key tile 0 has the most query tiles, as with causal. H100, B2 H16
+    # 8k, backward kernel ms, program order / longest first (2026-11-24): uniform lengths
+    # 2.900 / 2.823, i + 1 2.902 / 2.839, GQA 16/4 uniform 3.495 / 2.906
+    longest_first = schedule is None and (args.later_rows_see_more or row_order is not None)
     num_pairs = batch * num_heads_k
     grid, pairs_per_group = key_tile_grid(cdiv(seqlen_k, cfg.block_n), num_pairs, longest_first,
                                           q.device)
@@ -911,8 +958,9 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         *(bias.operands() if bias is not None else unused),
         *(bias_tma if bias_tma is not None else (stats_desc, 0)),
         *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
+        *row_lens_operands(row_lens, q.device)[:2],
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
-        EXPLICIT=schedule is not None,
+        EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None,
         **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
         BIAS_TMA=bias_tma is not None,
         DBIAS=dbias is not None,
@@ -924,7 +972,10 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         NUM_DS=3 if dq_trails else 2, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         num_warps=4)
-    dq.copy_(dq_sum)
+    if row_order is not None:
+        rows_to_callers(dq_sum, row_order, dq)
+    else:
+        dq.copy_(dq_sum)
     if dk_out is not None:
         dk_out.copy_(dk)
         dv_out.copy_(dv)

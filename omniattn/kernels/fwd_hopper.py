@@ -7,7 +7,9 @@ intra-warpgroup overlap, with asynchronous wgmma and explicit waits that Triton'
 expose). It also runs element masks, biases and bitmap-free block masks: the key tiles then come
 from the schedule's lists (PARTIAL tiles first, then FULL ones). A byte mask and a 2-byte bias
 spanning (Sq, Sk) come by TMA with K (the producer's), their broadcast forms by each consumer's
-loads straight into the scores' layout; either is read while the wgmmas run. Row lengths, packing,
+loads straight into the scores' layout; either is read while the wgmmas run. Per-row key lengths
+alone run with the rows in length order: each consumer gathers its q rows and scatters its out
+rows, and takes its key range from its rows' lengths. Lengths with other terms, packing,
 dropout, softcap and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import implicit_kv_range, load_pair_tile, schedule_rows
+from .common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
 from .configs import (cdiv, compute_capability, gluon_enabled, hopper_backward_config,
                       hopper_forward_config, interpreting)
 from .elementwise import Elementwise
 from .launch import launch
 from .schedule import KernelArgs, TileLists
-from .sequences import tma_compatible
+from .sequences import row_lens_operands, row_strides, tma_compatible
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -116,8 +118,9 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
              seqlen_k, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row,
              next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
-             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr):
-    """Producer: each consumer's query rows once, then the K and V tiles of step j (key tile
+             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr, ROW_ORDER: gl.constexpr):
+    """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather
+    theirs), then the K and V tiles of step j (key tile
     first_tile + j of an implicit schedule) into buffer
     j % NUM_BUF, each as soon as both consumers released the one of the step that used the
     buffer before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the
@@ -125,9 +128,10 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
     head, query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias
     tiles, likewise. Explicit schedules: the next step's key tile into next_tiles beside the
     buffer, before K's arrival (the list entry read a step ahead)."""
-    for c in gl.static_range(2):
-        _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
-                   q_smem.index(c), HEAD_DIM, FLAT)
+    if not ROW_ORDER:
+        for c in gl.static_range(2):
+            _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
+                       q_smem.index(c), HEAD_DIM, FLAT)
     next_tile = _tile_at(0, num_part, part_list, full_list, EXPLICIT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
@@ -197,11 +201,12 @@ def _load_elementwise(rows_base, start_n, rows_left, cols_left, stride_m, stride
 
 
 @gluon.jit
-def _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_left, window_right,
+def _drop_past_key_end(z, rows, start_n, row_ends, diag_offset, window_left, window_right,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """z [BM, BN] of the key tile at start_n with -inf past Sk and outside each row's window."""
+    """z [BM, BN] of the key tile at start_n with -inf past each row's end (row_ends: Sk, or
+    [BM] per-row key lengths) and outside each row's window."""
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, z.type.layout))
-    key_end = gl.full_like(rows, 0) + seqlen_k  # [BM]
+    key_end = gl.full_like(rows, 0) + row_ends  # [BM]
     if HAS_RIGHT:
         key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
     z = gl.where(keys[None, :] < key_end[:, None], z, float("-inf"))
@@ -212,12 +217,13 @@ def _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_left, win
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, window_left,
+def _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full, diag_offset, window_left,
                   window_right, qk_scale_log2, keep, bias, KEYS: gl.constexpr,
                   MASK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
-    alpha). KEYS: drop keys past Sk and outside each row's window (explicit schedules without
+    alpha). KEYS: drop keys past each row's end (row_ends: Sk, or the per-row key lengths) and
+    outside each row's window (explicit schedules without
     a left bound: only in tiles that reach past key_full, the first row's key end; with one, in
     every PARTIAL tile, as the left edges cut tiles anywhere before it);
     MASK: drop the keys whose `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with
@@ -237,11 +243,11 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full, diag_offset, w
         if KEYS:
             if EXPLICIT and not HAS_LEFT:
                 if start_n + BLOCK_N > key_full:
-                    z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset,
+                    z = _drop_past_key_end(z, rows, start_n, row_ends, diag_offset,
                                            window_left, window_right, HAS_LEFT, HAS_RIGHT,
                                            BLOCK_N)
             else:
-                z = _drop_past_key_end(z, rows, start_n, seqlen_k, diag_offset, window_left,
+                z = _drop_past_key_end(z, rows, start_n, row_ends, diag_offset, window_left,
                                        window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(z, 1) * unit)
         # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
@@ -291,13 +297,41 @@ def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr)
 
 
 @gluon.jit
+def _gather_rows(rows_base, stride_m, order_rows, row0, seqlen_q, dst, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
+    """dst ([BM, D] in shared memory) <- rows [row0, row0 + BM) of the length order, each read
+    from its caller row order_rows[r] of rows_base (rows past Sq: 0), ready for a wgmma."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    inside = row0 + local < seqlen_q
+    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
+    ptrs = rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :]
+    dst.store(gl.load(ptrs, mask=inside[:, None], other=0.0))
+    fence_async_shared()
+
+
+@gluon.jit
+def _scatter_rows(src, rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr):
+    """`_gather_rows` reversed: src's rows ([BM, D] in shared memory) to their caller rows."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    inside = row0 + local < seqlen_q
+    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
+    ptrs = rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :]
+    gl.store(ptrs, src.load(layout), mask=inside[:, None])
+
+
+@gluon.jit
 def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
             stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
             window_left, window_right, qk_scale_log2, first_tile, num_tiles_cta, num_part,
             part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-            stride_bn, mask_smem, bias_smem, next_tiles, CONSUMER: gl.constexpr,
-            HAS_LEFT: gl.constexpr,
-            HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+            stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om,
+            lens_rows, order_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+            HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -312,7 +346,11 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     producer's ring keeps turning. This consumer's first step is always treated as PARTIAL.
     MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
     else each consumer loads its own. Explicit schedules read each step's next key tile from
-    the producer (next_tiles) once the step's K is there."""
+    the producer (next_tiles) once the step's K is there. ROW_ORDER (per-row key lengths
+    alone, rows in length order, longest first; lens_rows / order_rows: the batch's sorted
+    lengths and caller rows): keys [0, the last row's length) are seen whole, none past the
+    first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows (each
+    at row 0 of the (batch, head))."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -324,7 +362,12 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     mask_rows += CONSUMER * BLOCK_M * stride_mm
     bias_rows += CONSUMER * BLOCK_M * stride_bm
     # keys past Sk or outside a row's window exist in the PARTIAL tiles only if:
-    KEYS: gl.constexpr = HAS_LEFT or HAS_RIGHT or not EVEN_N
+    KEYS: gl.constexpr = HAS_LEFT or HAS_RIGHT or not EVEN_N or ROW_ORDER
+    q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
+    row_ends = seqlen_k
+    if ROW_ORDER:
+        _gather_rows(q_rows, stride_qm, order_rows, row0, seqlen_q, q, BLOCK_M, HEAD_DIM)
+        row_ends = gl.load(lens_rows + rows, mask=rows < seqlen_q, other=0)  # [BM]
     # keys [0, key_full) are visible to every row of this consumer (explicit schedules)
     key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
     if EXPLICIT:
@@ -339,6 +382,12 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         lo, full_lo, full_hi, hi = implicit_kv_range(
             row0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
             HAS_LEFT, HAS_RIGHT)
+        if ROW_ORDER:
+            longest = gl.load(lens_rows + row0, mask=row0 < seqlen_q, other=0)
+            shortest = gl.load(lens_rows + gl.minimum(row0 + BLOCK_M, seqlen_q) - 1,
+                               mask=row0 < seqlen_q, other=0)
+            lo, full_lo, full_hi, hi = clip_ranges(lo, full_lo, full_hi, hi,
+                                                   shortest // BLOCK_N, gl.cdiv(longest, BLOCK_N))
         first = lo - first_tile
         num_tiles = hi - first_tile
         left_end = full_lo - first_tile
@@ -348,7 +397,6 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         num_tiles = 0
     _release_steps(0, first, k_ready, v_ready, kv_free, NUM_BUF)
 
-    q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -362,7 +410,8 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
             MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
             EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
         first_buf = first % NUM_BUF
-        mbarrier.wait(q_ready.index(CONSUMER), 0)
+        if not ROW_ORDER:
+            mbarrier.wait(q_ready.index(CONSUMER), 0)
         mbarrier.wait(k_ready.index(first_buf), (first // NUM_BUF) & 1)
         next_n = _next_key_start(first, first_tile, num_tiles, next_tiles, first_buf, EXPLICIT,
                                  BLOCK_N)
@@ -382,7 +431,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 # lie outside its predicate
                 step0_left = seqlen_q + seqlen_k
                 step0_right = seqlen_q + seqlen_k
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                            diag_offset, step0_left, step0_right, qk_scale_log2,
                                            keep, bias, KEYS, HAS_MASK, HAS_BIAS, HAS_LEFT,
                                            HAS_RIGHT, EXPLICIT, BLOCK_N)
@@ -401,7 +450,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                 for j in range(begin, run_ends[run]):
                     acc, p_op, m_i, l_i, next_n = _overlapped_tile(
                         j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
-                        l_i, s_zero, rows, rows_left, seqlen_k, key_full, diag_offset,
+                        l_i, s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
                         window_left, window_right, qk_scale_log2, first_tile, num_tiles,
                         mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
                         mask_smem, bias_smem, next_tiles, CONSUMER, EXPLICIT, run != 1,
@@ -422,24 +471,34 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     l_o = gl.convert_layout(gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
     out = (acc / l_o[:, None]).to(q.dtype)  # rows that saw no key: 0
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    lse_rows = rows
+    if ROW_ORDER:
+        lse_rows = gl.load(order_rows + rows, mask=rows < seqlen_q, other=0)
+    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_rows
     gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
-    # the query buffer is free now: stage the output there; TMA drops rows past Sq
-    mbarrier.wait(q_ready.index(CONSUMER), 0)
-    q.store(out)
-    fence_async_shared()
-    if FLAT:
-        tma.async_copy_shared_to_global(o_desc, [off_b * seqlen_q + row0, off_h * HEAD_DIM],
-                                        q_smem.index(CONSUMER))
+    # the query buffer is free now: stage the output there
+    if ROW_ORDER:
+        q.store(out)
+        _scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM)
     else:
-        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], q_smem.index(CONSUMER))
-    tma.store_wait(0)
+        # TMA drops rows past Sq
+        mbarrier.wait(q_ready.index(CONSUMER), 0)
+        q.store(out)
+        fence_async_shared()
+        if FLAT:
+            tma.async_copy_shared_to_global(o_desc, [off_b * seqlen_q + row0, off_h * HEAD_DIM],
+                                            q_smem.index(CONSUMER))
+        else:
+            tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0],
+                                            q_smem.index(CONSUMER))
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
-                     s_zero, rows, rows_left, seqlen_k, key_full, diag_offset, window_left,
-                     window_right, qk_scale_log2, first_tile, num_tiles, mask_rows, stride_mm,
+                     s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
+                     window_left, window_right, qk_scale_log2, first_tile, num_tiles, mask_rows,
+                     stride_mm,
                      stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
                      next_tiles, CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr,
                      MASKED: gl.constexpr,
@@ -486,7 +545,7 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
             bias = gl.where(keep != 0, 0.0, float("-inf"))
     s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done
     mbarrier.arrive(kv_free.index(buf))  # K_j (and the step's mask / bias tiles, read above)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, seqlen_k, key_full,
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                        diag_offset, window_left, window_right, qk_scale_log2,
                                        keep, bias, KEYS, MASKED and HAS_MASK and not TERMS,
                                        HAS_BIAS or TERMS, HAS_LEFT, HAS_RIGHT, EXPLICIT, BLOCK_N)
@@ -504,8 +563,10 @@ def _fwd_hopper_kernel(
     stride_fnm, stride_fib, stride_fih, stride_fim, Mask, stride_mb, stride_mh, stride_mm,
     stride_mn, mask_head_div, mask_desc, mask_batch_rows, Bias, stride_bb, stride_bh, stride_bm,
     stride_bn, bias_head_div, bias_desc, bias_batch_rows, seqlen_q, seqlen_k, num_heads, group,
-    diag_offset, window_left, window_right, qk_scale_log2, HAS_LEFT: gl.constexpr,
+    diag_offset, window_left, window_right, qk_scale_log2, Q, stride_qb, stride_qm, stride_qh,
+    Out, stride_ob, stride_om, stride_oh, RowLens, stride_rlb, RowOrder, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
+    ROW_ORDER: gl.constexpr,
     HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
     MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
     BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -539,6 +600,13 @@ def _fwd_hopper_kernel(
             start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right, 2 * BLOCK_M,
             BLOCK_N, HAS_LEFT, HAS_RIGHT)
         num_tiles = end_tile - first_tile
+    # rows in length order: the program's first row is its longest
+    lens_rows = RowLens + off_b.to(gl.int64) * stride_rlb
+    order_rows = RowOrder + off_b.to(gl.int64) * stride_rlb
+    if ROW_ORDER:
+        num_tiles = gl.minimum(num_tiles, gl.cdiv(gl.load(lens_rows + start_m), BLOCK_N))
+    q_rows = Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
+    o_rows = Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
     # int64: batch / head / row offsets of a (B, H, Sq, Sk) mask pass 2**31 elements
     mask_rows = Mask + off_b.to(gl.int64) * stride_mb \
         + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
@@ -561,8 +629,10 @@ def _fwd_hopper_kernel(
     # explicit schedules: the key tile of the step after each buffered one, from the producer
     next_tiles = gl.allocate_shared_memory(gl.int32, [NUM_BUF, 1],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    for c in gl.static_range(2):
-        mbarrier.init(q_ready.index(c), count=1)
+    # initialised only where used (a gathered q has none: see bwd_hopper's bias_ready)
+    if not ROW_ORDER:
+        for c in gl.static_range(2):
+            mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -574,7 +644,8 @@ def _fwd_hopper_kernel(
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
                    part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, next_tiles, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows,
+                   stride_om, lens_rows, order_rows, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
                    HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
                    BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
                    NUM_BUF, FLAT)),
@@ -582,7 +653,8 @@ def _fwd_hopper_kernel(
                    stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
                    window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
                    part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, next_tiles, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows,
+                   stride_om, lens_rows, order_rows, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
                    HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
                    BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
                    NUM_BUF, FLAT)),
@@ -593,7 +665,7 @@ def _fwd_hopper_kernel(
                     bias_desc, bias_smem,
                     off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
                     next_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA,
-                    BIAS_TMA)),
+                    BIAS_TMA, ROW_ORDER)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -709,15 +781,22 @@ def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
                    out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None = None,
-                   mask: Elementwise | None = None, bias: Elementwise | None = None) -> None:
+                   mask: Elementwise | None = None, bias: Elementwise | None = None,
+                   row_lens: torch.Tensor | None = None,
+                   row_order: torch.Tensor | None = None) -> None:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in
     place. schedule: the forward lists (None: dense / causal / window from args); the mask
-    (which needs them) is applied in their PARTIAL tiles, the bias in every tile. The caller
+    (which needs them) is applied in their PARTIAL tiles, the bias in every tile. row_lens /
+    row_order (int32 (B, Sq), contiguous; per-row key lengths alone): the lengths sorted
+    longest first within each batch, clamped to [0, Sk], and the caller row of each
+    (`length_order`): tiles follow that order, q / out / lse stay in the caller's. The caller
     checked `hopper_forward_applies`."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     if mask is not None and schedule is None:
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
+    if (row_lens is None) != (row_order is None):
+        raise ValueError("hopper_forward: row_lens and row_order come together")
     cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
     n_tiles_m = cdiv(seqlen_q, cfg.block_m)
@@ -737,9 +816,11 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         *(bias.operands() if bias is not None else unused),
         *(bias_tma if bias_tma is not None else (q_desc, 0)),
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
-        args.window_left, args.window_right, args.qk_scale_log2, HAS_LEFT=args.has_left,
-        HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
-        EXPLICIT=schedule is not None, **Elementwise.kernel_flags(mask, bias),
+        args.window_left, args.window_right, args.qk_scale_log2, q, *row_strides(q), out,
+        *row_strides(out), *row_lens_operands(row_lens, q.device, row_order),
+        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
+        EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None,
+        **Elementwise.kernel_flags(mask, bias),
         MASK_TMA=mask_tma is not None, BIAS_TMA=bias_tma is not None,
         EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,

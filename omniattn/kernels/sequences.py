@@ -183,3 +183,36 @@ def length_order(row_lens: torch.Tensor, seqlen_k: int,
             row_lens, row_lens.stride(0), order, lengths, seqlen_q, seqlen_k,
             BLOCK=block, CHUNK=chunk, num_warps=num_warps)
     return order, lengths
+
+
+@triton.jit
+def _rows_to_callers_kernel(Src, Order, Dst, stride_sb, stride_sm, stride_sh, stride_ob,
+                            stride_db, stride_dm, stride_dh, seqlen, num_heads,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+    """Dst[b, Order[b, r], h] = Src[b, r, h] (cast to Dst's dtype) for BLOCK_M rows r of one
+    (batch, head)."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    in_rows = rows < seqlen
+    callers = tl.load(Order + off_b * stride_ob + rows, mask=in_rows, other=0).to(tl.int64)
+    inside = in_rows[:, None] & (cols[None, :] < HEAD_DIM)
+    tile = tl.load(Src + off_b * stride_sb + off_h * stride_sh
+                   + rows.to(tl.int64)[:, None] * stride_sm + cols[None, :], mask=inside)
+    tl.store(Dst + off_b * stride_db + off_h * stride_dh + callers[:, None] * stride_dm
+             + cols[None, :], tile.to(Dst.dtype.element_ty), mask=inside)
+
+
+def rows_to_callers(src: torch.Tensor, row_order: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[b, row_order[b, r]] = src[b, r] for (B, S, H, D) tensors (last dims contiguous;
+    row_order int32 (B, S), contiguous rows), cast to dst's dtype: rows computed in length order
+    back to the caller's, in one pass."""
+    batch, seqlen, heads, head_dim = src.shape
+    if src.numel():
+        launch(_rows_to_callers_kernel, (cdiv(seqlen, 64), batch * heads),
+            src, row_order, dst, *row_strides(src), row_order.stride(0), *row_strides(dst),
+            seqlen, heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_M=64)
