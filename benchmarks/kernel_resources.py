@@ -154,7 +154,7 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
             raise SystemExit(f"the Gluon backward takes no lists, masks or biases at head dim "
                              f"{head_dim}")
         bwd_hopper_wide.hopper_backward_wide(q, q, k, k, row_stats, torch.zeros(q.shape), args,
-                                             *grads)
+                                             *grads, *lengths)
         return
     schedule = lists(cfg.block_m, cfg.block_n, True) if mask or full_lists else None
     dbias = None

@@ -818,11 +818,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dv = torch.empty_like(v) if dv is None else dv
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    # per-row key lengths only in length order, and not at the head dims bwd_hopper_wide takes
-    lengths_fit = row_lens is None or (row_order is not None
-                                       and not hopper_backward_splits_head_dim(head_dim))
-    gluon = bits is None and lengths_fit and packed is None and dropout[0] == 0 \
-        and not deterministic and q.numel() > 0 and k.numel() > 0 and hopper_backward_applies(
+    # per-row key lengths only in length order (the tiles' query ranges come from them)
+    gluon = bits is None and (row_lens is None or row_order is not None) and packed is None \
+        and dropout[0] == 0 and not deterministic and q.numel() > 0 and k.numel() > 0 \
+        and hopper_backward_applies(
             q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
             bias_grad)
     dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
@@ -881,7 +880,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
         if hopper_backward_splits_head_dim(head_dim):  # no lists, masks or biases here
-            hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv)
+            hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv, row_lens,
+                                 row_order)
         else:
             hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                             schedule.dkdv if schedule is not None else None, mask, bias,

@@ -1,5 +1,6 @@
-"""Hopper backward in Gluon for head dim 256: dense, causal, windows, GQA (no lists, masks or
-biases: those calls stay in bwd.py).
+"""Hopper backward in Gluon for head dim 256: dense, causal, windows, GQA, per-row key lengths
+alone (rows in length order, as in bwd_hopper.py); no lists, masks or biases: those calls stay
+in bwd.py.
 
 At D256 one consumer cannot hold dK and dV of 64 keys (2 x 64 x 256 fp32: 256 registers), so
 the two consumer warpgroups split the work two ways. A program owns 64 keys of one (batch, KV
@@ -18,13 +19,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program,
+from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
                          stats_descriptor)
 from .common import implicit_q_range
 from .configs import cdiv, hopper_backward_config
 from .fwd_hopper import _descriptor, flat_launch
 from .launch import launch
 from .schedule import KernelArgs
+from .sequences import row_lens_operands, rows_to_callers
 
 BOX = 64  # rows and columns of every box (64 bf16 columns: a 128-byte swizzle's row)
 
@@ -136,18 +138,22 @@ def _add_dq_half(dq, q_smem, do_smem, box, dq_desc, off_b, row, col, head, seqle
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                 ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
                 keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
-                softmax_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr,
+                softmax_scale, lens_rows, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
                 CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                 FLAT: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr):
     """One query tile: this consumer's 32 keys of S and dP, its halves of P^T and dS^T into
     shared memory, then (both halves there) dV, dK, dQ for its 128 head-dim columns, dQ
     reduce-added from the tile's dead q / dO boxes. The buffers of tile i - 1 go back to the
-    producer here, once its reductions have read them."""
+    producer here, once its reductions have read them. ROW_ORDER: MASKED tiles drop the keys
+    past each row's length (lens_rows: the batch's, rows in length order)."""
     buf = i % 2
     phase = (i // 2) & 1
     start_m = tile_m * BLOCK_M
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    row_ends = 0
+    if MASKED and ROW_ORDER:
+        row_ends = gl.load(lens_rows + rows, mask=rows < seqlen_q, other=0)  # [BM]
     mbarrier.wait(q_ready.index(buf), phase)
     lse_scaled = _row_stats(lse_smem, buf, s_layout)  # [BM, 1]
     s_zero = gl.zeros([BLOCK_M, 32], gl.float32, s_layout)
@@ -164,6 +170,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
             p = gl.where(keys[None, :] <= rows[:, None] + diag, p, 0.0)
         if HAS_LEFT:
             p = gl.where(keys[None, :] >= rows[:, None] + diag_left, p, 0.0)
+        if ROW_ORDER:
+            p = gl.where(keys[None, :] < row_ends[:, None], p, 0.0)
     mbarrier.wait(do_ready.index(buf), phase)
     delta = _row_stats(delta_smem, buf, s_layout)  # [BM, 1]
     dp = _scores(do_smem, v_smem, 4 * buf, CONSUMER * 32, s_zero - delta, s_layout)
@@ -203,8 +211,9 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
 def _query_tiles(first, end, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                  ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
                  keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
-                 softmax_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, CONSUMER: gl.constexpr,
+                 softmax_scale, lens_rows, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
+                 CONSUMER: gl.constexpr,
                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
                  s_layout: gl.constexpr, acc_layout: gl.constexpr):
     """Query tiles [first, end) of a head through `_query_tile`, all MASKED or none (i: the
@@ -213,9 +222,9 @@ def _query_tiles(first, end, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v
         dv0, dv1, dk0, dk1 = _query_tile(
             i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
             q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1, keys, off_b,
-            head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, MASKED,
-            HAS_LEFT, HAS_RIGHT, EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
-            acc_layout)
+            head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, lens_rows,
+            MASKED, HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT,
+            s_layout, acc_layout)
         i += 1
     return dv0, dv1, dk0, dk1, i
 
@@ -233,12 +242,13 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                    kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK, DV, dk_strides,
                    dv_strides, off_b, off_hk, start_n, first_m, first_full, last_full, end_m,
                    group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
-                   CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   EVEN_N: gl.constexpr,
+                   lens_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: S / dP for keys [start_n + 32c, + 32), dK / dV for head-dim columns
     [128c, + 128) of all 64 keys, over the query tiles of every head of the group: [first_m,
-    first_full) and [last_full, end_m) masked, [first_full, last_full) whole."""
+    first_full) and [last_full, end_m) masked (ROW_ORDER: by the rows' lengths too),
+    [first_full, last_full) whole."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -254,16 +264,17 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     for h in range(group):
         head = off_hk * group + h
         # runs of query tiles: masked, whole, and with a left bound those cut by the windows'
-        # left edges
+        # left edges (with row lengths those cut by them)
         run_ends = (first_m, first_full, last_full, end_m)
         for run in gl.static_range(3):
-            if run < 2 or HAS_LEFT:
+            if run < 2 or HAS_LEFT or ROW_ORDER:
                 dv0, dv1, dk0, dk1, i = _query_tiles(
                     run_ends[run], run_ends[run + 1], i, q_smem, do_smem, lse_smem, delta_smem,
                     k_smem, v_smem, p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready,
                     dq_desc, dv0, dv1, dk0, dk1, keys, off_b, head, seqlen_q, seqlen_k, diag,
-                    diag_left, qk_scale_log2, softmax_scale, run != 1, HAS_LEFT, HAS_RIGHT,
-                    EVEN_N, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout, acc_layout)
+                    diag_left, qk_scale_log2, softmax_scale, lens_rows, run != 1, HAS_LEFT,
+                    HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
+                    acc_layout)
     tma.store_wait(0)
     all_keys = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     dk_b, dk_n, dk_h, dk_d = dk_strides
@@ -284,8 +295,9 @@ def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV, stride_dkb, stride_dkn,
     stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd, seqlen_q, seqlen_k,
     num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
-    softmax_scale, num_pairs, pairs_per_group, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    LONGEST_FIRST: gl.constexpr, EVEN_N: gl.constexpr,
+    softmax_scale, num_pairs, pairs_per_group, RowLens, stride_rlb, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EVEN_N: gl.constexpr,
+    ROW_ORDER: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -300,6 +312,11 @@ def _bwd_wide_kernel(
         HAS_LEFT, HAS_RIGHT)
     if not HAS_LEFT:
         last_full = end_m  # a last tile past Sq is whole here: its rows have p = 0
+    # rows in length order: the tiles that see these keys, and those that see all, are prefixes
+    lens_rows = RowLens + off_b.to(gl.int64) * stride_rlb
+    if ROW_ORDER:
+        last_full, end_m = length_q_tiles(lens_rows, start_n, seqlen_q, seqlen_k,
+                                          gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, BLOCK_N)
     if start_n + BLOCK_N > seqlen_k:
         first_full = end_m  # keys past Sk in every tile
         last_full = end_m
@@ -337,14 +354,14 @@ def _bwd_wide_kernel(
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
                           first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
-                          diag_left, qk_scale_log2, softmax_scale, 0, HAS_LEFT, HAS_RIGHT,
-                          EVEN_N, BLOCK_M, HEAD_DIM, FLAT)),
+                          diag_left, qk_scale_log2, softmax_scale, lens_rows, 0, HAS_LEFT,
+                          HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
                           first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
-                          diag_left, qk_scale_log2, softmax_scale, 1, HAS_LEFT, HAS_RIGHT,
-                          EVEN_N, BLOCK_M, HEAD_DIM, FLAT)),
+                          diag_left, qk_scale_log2, softmax_scale, lens_rows, 1, HAS_LEFT,
+                          HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_load, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                  num_heads_k * group, delta_row0, start_n, first_m, end_m, group,
@@ -355,16 +372,20 @@ def _bwd_wide_kernel(
 def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, row_stats: torch.Tensor, dq_sum: torch.Tensor,
                          args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
-                         dv: torch.Tensor) -> None:
+                         dv: torch.Tensor, row_lens: torch.Tensor | None = None,
+                         row_order: torch.Tensor | None = None) -> None:
     """As `bwd_hopper.hopper_backward` for head dim 256 without lists, masks or biases: dq (like
     q), dk / dv (like k / v, any strides, summed over each KV group) written in place; row_stats
     from `backward_row_stats` at the config's block_m, filled in; dQ summed in dq_sum (fp32
-    like q, zeroed). The caller checked `hopper_backward_applies`."""
+    like q, zeroed); row_lens / row_order as there. The caller checked
+    `hopper_backward_applies`."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     cfg = hopper_backward_config(head_dim)  # 64 x 64 tiles: the kernel's boxes
     flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum)
-    longest_first = args.later_rows_see_more
+    # rows in length order: key tile 0s first, as in hopper_backward. H100, B2 H16 4k, uniform
+    # lengths, backward kernel ms (2026-11-24): 2.364 (bwd.py's 3.43; dense 3.694)
+    longest_first = args.later_rows_see_more or row_order is not None
     num_pairs = batch * num_heads_k
     grid, pairs_per_group = key_tile_grid(cdiv(seqlen_k, cfg.block_n), num_pairs, longest_first,
                                           q.device)
@@ -375,8 +396,12 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         *dk.stride(), *dv.stride(), seqlen_q, seqlen_k, num_heads_k, num_heads // num_heads_k,
         batch * num_heads, seqlen_k - seqlen_q, args.window_left, args.window_right,
         args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group,
-        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
+        *row_lens_operands(row_lens, q.device)[:2], HAS_LEFT=args.has_left,
+        HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, ROW_ORDER=row_order is not None,
         EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4)
-    dq.copy_(dq_sum)
+    if row_order is not None:
+        rows_to_callers(dq_sum, row_order, dq)
+    else:
+        dq.copy_(dq_sum)
