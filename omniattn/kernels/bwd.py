@@ -68,15 +68,13 @@ def _bwd_preprocess(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr, FOR_GLUON: tl.constexpr,
 ):
-    """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head), stored for rows
-    below stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in
-    length order); delta is stored in that order and q, dO, lse are copied into it (QInOrder,
-    DOutInOrder, LseInOrder; not lse with FOR_GLUON) for the backward kernel. FOR_GLUON: the
-    Gluon backward's other
-    operands too (a memset launch less per call, and two fills at lengths that are not a
-    multiple of its tile): lse * inv_scale in LseScaled (laid out like delta; +inf where
-    lse = -inf, a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q)
-    zeroed."""
+    """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head), stored for rows below
+    stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in length
+    order); delta is stored in that order and q, dO, lse are copied into it (QInOrder, DOutInOrder,
+    LseInOrder; not lse with FOR_GLUON) for the backward kernel. FOR_GLUON: the Gluon backward's
+    other operands too (a memset launch less per call, and two fills at lengths that are not a
+    multiple of its tile): lse * inv_scale in LseScaled (laid out like delta; +inf where lse = -inf,
+    a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q) zeroed."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)

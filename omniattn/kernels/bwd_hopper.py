@@ -1,20 +1,21 @@
-"""Hopper backward in Gluon, for the calls the Gluon forward takes and more: dense, causal /
-right window, GQA, explicit schedules without bitmaps (element masks, whole-block masks) and
-biases, with the gradient of a key bias (B, Hb, 1, Sk) or of a bias with a (Sq, Sk) tile per
-query head. A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of
-every query head of the group that see them (dK and dV summed over the group in registers: no
-partials); explicit schedules list them per head, PARTIAL first. A producer warp streams q and dO
-tiles, with their rows of lse and delta, through TMA into a ring of shared-memory buffers; two
-consumer warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T
-(keys as the wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and
-dS^T through shared memory; once both halves of dS are there it computes dQ = dS K for its half
-of the head dim (in the step, or where a third dS buffer fits and it measured faster, in the next
-one: `hopper_backward_dq_trails`) and reduce-adds it into an fp32 buffer through TMA (5 matmuls
-per tile pair; the Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before
-dS = P (dP - delta), as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a
-2-byte bias spanning (Sq, Sk) by a TMA copy each consumer issues a step ahead into its half of the
-dS buffer that the step's dS overwrites; other mask and bias tiles are plain loads into the S^T
-layout, issued before the step's waits. Everything else runs in `bwd.py`."""
+"""Hopper backward in Gluon, for the calls the Gluon forward takes and more: dense, causal / right
+window, GQA, explicit schedules without bitmaps (element masks, whole-block masks) and biases, with
+the gradient of a key bias (B, Hb, 1, Sk) or of a bias with a (Sq, Sk) tile per query head, and
+per-row key lengths alone (q, dO and the row stats in length order, dQ written back to the caller
+rows). A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of every query
+head of the group that see them (dK and dV summed over the group in registers: no partials);
+explicit schedules list them per head, PARTIAL first. A producer warp streams q and dO tiles, with
+their rows of lse and delta, through TMA into a ring of shared-memory buffers; two consumer
+warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T (keys as the
+wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T through
+shared memory; once both halves of dS are there it computes dQ = dS K for its half of the head dim
+(in the step, or where a third dS buffer fits and it measured faster, in the next one:
+`hopper_backward_dq_trails`) and reduce-adds it into an fp32 buffer through TMA (5 matmuls per tile
+pair; the Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before dS = P (dP -
+delta), as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a 2-byte bias
+spanning (Sq, Sk) by a TMA copy each consumer issues a step ahead into its half of the dS buffer
+that the step's dS overwrites; other mask and bias tiles are plain loads into the S^T layout, issued
+before the step's waits. Everything else runs in `bwd.py`."""
 from __future__ import annotations
 
 import torch
@@ -284,7 +285,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 lens_rows, MASKED: gl.constexpr,
                 KEY_END: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
+                EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr,
+                MASK_TMA: gl.constexpr,
                 MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                 HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -296,17 +298,15 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
     tiles drop keys right of each row's window (diag = Sk - Sq + window_right), left of it
-    (diag_left = Sk - Sq - window_left) and where the mask (HAS_MASK) is 0; MASKED or KEY_END
-    ones keys past Sk; the bias (HAS_BIAS) is added in every tile. mask_cols /
-    bias_cols / dbias_cols point at this consumer's first key (key0), query 0, of the head.
-    DBIAS: the score gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is
-    added into the fp32 dbias by atomics (one column or a scalar: summed over keys) or is
-    stored as the tile. ROW_ORDER: MASKED tiles also drop the keys past each row's length
-    (lens_rows: the batch's lengths, rows in length order). Explicit schedules read the step's
-    tile_m (and the next step's) from
-    rows_smem once its q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step
-    (prev_tile_m of head prev_head) is computed in this one. Returns (dk, dv, dbias_keys,
-    tile_m)."""
+    (diag_left = Sk - Sq - window_left) and where the mask (HAS_MASK) is 0; MASKED or KEY_END ones
+    keys past Sk; the bias (HAS_BIAS) is added in every tile. mask_cols / bias_cols / dbias_cols
+    point at this consumer's first key (key0), query 0, of the head. DBIAS: the score gradient goes
+    to dbias_keys [BN/2] (a key bias: summed over queries), is added into the fp32 dbias by atomics
+    (one column or a scalar: summed over keys) or is stored as the tile. ROW_ORDER: MASKED tiles
+    also drop the keys past each row's length (lens_rows: the batch's lengths, rows in length
+    order). Explicit schedules read the step's tile_m (and the next step's) from rows_smem once its
+    q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step (prev_tile_m of head
+    prev_head) is computed in this one. Returns (dk, dv, dbias_keys, tile_m)."""
     DQ_TRAILS: gl.constexpr = NUM_DS > 2
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
@@ -470,7 +470,8 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
             bias_ready, head_bias, rows_smem, j + 1 < num_steps, prev_tile_m, prev_head,
             lens_rows, MASKED, KEY_END, HAS_LEFT,
-            HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+            HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
+            MASK_COLS_SHARED,
             HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M,
             EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
             dq_layout)
@@ -503,9 +504,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
     first_full) and [last_full, end_m) are masked (ROW_ORDER: by the rows' lengths too),
-    [first_full, last_full) whole; explicit: the
-    PARTIAL ones, or all of them when the key tile runs past Sk. mask_batch / bias_batch /
-    dbias_batch point at key start_n of the batch."""
+    [first_full, last_full) whole; explicit: the PARTIAL ones, or all of them when the key tile runs
+    past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of the batch."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -584,7 +584,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
                     stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
                     head_bias, lens_rows, run == 0 or (run == 2 and not EXPLICIT), run != 1,
-                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA,
+                    MASK_ROWS_SHARED, MASK_COLS_SHARED,
                     HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
                     EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
                     s_layout, dq_layout)

@@ -278,8 +278,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
     Calls without bits, packing or dropout, and with row_lens only in length order (row_order),
-    run the Gluon kernel of fwd_hopper.py where it applies (sm90, head dim 128 or 256, no softcap or left window, a bias spanning (Sq, Sk)
-    only at 128 and if TMA can read it, a schedule at its tiles)."""
+    run the Gluon kernel of fwd_hopper.py where it applies (sm90, head dim 128 or 256, no
+    softcap, a bias spanning (Sq, Sk) only at 128 and if TMA can read it, a schedule at its
+    tiles)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)

@@ -119,15 +119,14 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
              next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
              MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr, ROW_ORDER: gl.constexpr):
-    """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather
-    theirs), then the K and V tiles of step j (key tile
-    first_tile + j of an implicit schedule) into buffer
-    j % NUM_BUF, each as soon as both consumers released the one of the step that used the
-    buffer before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the
-    masked steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch,
-    head, query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias
-    tiles, likewise. Explicit schedules: the next step's key tile into next_tiles beside the
-    buffer, before K's arrival (the list entry read a step ahead)."""
+    """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather theirs),
+    then the K and V tiles of step j (key tile first_tile + j of an implicit schedule) into buffer j
+    % NUM_BUF, each as soon as both consumers released the one of the step that used the buffer
+    before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the masked
+    steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch, head,
+    query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias tiles, likewise.
+    Explicit schedules: the next step's key tile into next_tiles beside the buffer, before K's
+    arrival (the list entry read a step ahead)."""
     if not ROW_ORDER:
         for c in gl.static_range(2):
             _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
@@ -223,8 +222,8 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full, diag_offset, w
                   HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
     alpha). KEYS: drop keys past each row's end (row_ends: Sk, or the per-row key lengths) and
-    outside each row's window (explicit schedules without
-    a left bound: only in tiles that reach past key_full, the first row's key end; with one, in
+    outside each row's window (explicit schedules without a left bound: only in tiles that
+    reach past key_full, the first row's key end; with one, in
     every PARTIAL tile, as the left edges cut tiles anywhere before it);
     MASK: drop the keys whose `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with
     none of these is seen whole by every row: its row max is finite and needs no -inf guard.
@@ -498,8 +497,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                      s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
                      window_left, window_right, qk_scale_log2, first_tile, num_tiles, mask_rows,
-                     stride_mm,
-                     stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
+                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
                      next_tiles, CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr,
                      MASKED: gl.constexpr,
                      KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
