@@ -295,17 +295,29 @@ def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr)
         mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
 
 
+# whole rows, 8 consecutive elements (16 bytes) per thread and access
+_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
+    """(pointers [BM, D], rows inside Sq [BM]) of rows [row0, row0 + BM) of the length order at
+    their caller rows order_rows[r] of rows_base, in `_ROWS_LAYOUT`."""
+    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
+    inside = row0 + local < seqlen_q
+    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
+    return rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :], inside
+
+
 @gluon.jit
 def _gather_rows(rows_base, stride_m, order_rows, row0, seqlen_q, dst, BLOCK_M: gl.constexpr,
                  HEAD_DIM: gl.constexpr):
     """dst ([BM, D] in shared memory) <- rows [row0, row0 + BM) of the length order, each read
     from its caller row order_rows[r] of rows_base (rows past Sq: 0), ready for a wgmma."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    inside = row0 + local < seqlen_q
-    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
-    ptrs = rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :]
+    ptrs, inside = _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M,
+                                HEAD_DIM)
     dst.store(gl.load(ptrs, mask=inside[:, None], other=0.0))
     fence_async_shared()
 
@@ -314,13 +326,9 @@ def _gather_rows(rows_base, stride_m, order_rows, row0, seqlen_q, dst, BLOCK_M: 
 def _scatter_rows(src, rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
                   HEAD_DIM: gl.constexpr):
     """`_gather_rows` reversed: src's rows ([BM, D] in shared memory) to their caller rows."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    inside = row0 + local < seqlen_q
-    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
-    ptrs = rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :]
-    gl.store(ptrs, src.load(layout), mask=inside[:, None])
+    ptrs, inside = _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M,
+                                HEAD_DIM)
+    gl.store(ptrs, src.load(_ROWS_LAYOUT), mask=inside[:, None])
 
 
 @gluon.jit
