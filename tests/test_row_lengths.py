@@ -104,7 +104,8 @@ def test_length_order(max_rank_pairs):
 
 def test_rows_to_callers():
     """Rows computed in length order go back to the caller's rows, cast to the destination's
-    dtype, through strided (B, S, H, D) views; nothing else of the destination is written."""
+    dtype, through strided (B, S, H, D) views; nothing else of the destination is written.
+    Without an order the rows are copied in place."""
     from omniattn.kernels.sequences import rows_to_callers
 
     generator = torch.Generator().manual_seed(4)
@@ -119,6 +120,9 @@ def test_rows_to_callers():
         expected[b, order[b].long()] = src[b]
     assert torch.equal(dst, expected.to(torch.float16))
     assert storage[..., 24:].isnan().all()
+    # no order: the rows are the caller's already
+    rows_to_callers(src, None, dst)
+    assert torch.equal(dst, src.to(torch.float16))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

@@ -973,10 +973,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         NUM_DS=3 if dq_trails else 2, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         num_warps=4)
-    if row_order is not None:
-        rows_to_callers(dq_sum, row_order, dq)
-    else:
-        dq.copy_(dq_sum)
+    rows_to_callers(dq_sum, row_order, dq)
     if dk_out is not None:
         dk_out.copy_(dk)
         dv_out.copy_(dv)

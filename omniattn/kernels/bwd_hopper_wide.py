@@ -401,7 +401,4 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4)
-    if row_order is not None:
-        rows_to_callers(dq_sum, row_order, dq)
-    else:
-        dq.copy_(dq_sum)
+    rows_to_callers(dq_sum, row_order, dq)

@@ -206,10 +206,14 @@ def _rows_to_callers_kernel(Src, Order, Dst, stride_sb, stride_sm, stride_sh, st
              + cols[None, :], tile.to(Dst.dtype.element_ty), mask=inside)
 
 
-def rows_to_callers(src: torch.Tensor, row_order: torch.Tensor, dst: torch.Tensor) -> None:
+def rows_to_callers(src: torch.Tensor, row_order: torch.Tensor | None,
+                    dst: torch.Tensor) -> None:
     """dst[b, row_order[b, r]] = src[b, r] for (B, S, H, D) tensors (last dims contiguous;
     row_order int32 (B, S), contiguous rows), cast to dst's dtype: rows computed in length order
-    back to the caller's, in one pass."""
+    back to the caller's, in one pass. row_order None: src is in the caller's order (a copy)."""
+    if row_order is None:
+        dst.copy_(src)
+        return
     batch, seqlen, heads, head_dim = src.shape
     if src.numel():
         launch(_rows_to_callers_kernel, (cdiv(seqlen, 64), batch * heads),
