@@ -34,6 +34,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from omniattn.kernels import bwd, bwd_hopper, bwd_hopper_wide, configs, fwd, fwd_hopper
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import FULL, PARTIAL, KernelArgs, TileLists
+from omniattn.kernels.sequences import PackedSequences
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -114,13 +115,20 @@ def launches_compiled(names: set[str], reports: list[dict]):
 
 
 def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs, mask: bool,
-                bias_form: str | None, full_lists: bool, row_lengths: bool) -> None:
+                bias_form: str | None, full_lists: bool, row_lengths: bool,
+                packed: bool) -> None:
     """The Gluon forward or backward launcher on CPU tensors: with `mask`, a bool mask spanning
     (Sq, Sk) and every tile of the lists PARTIAL (their lengths do not change the code); with
     `full_lists` (no mask), lists of FULL tiles, as a block mask's; a bias of `bias_form` "key"
     (B, H, 1, Sk), "column" (B, H, Sq, 1) or "full" (B, H, Sq, Sk), with its gradient;
-    `row_lengths`: per-row key lengths alone, the rows in length order."""
+    `row_lengths`: per-row key lengths alone, the rows in length order; `packed`: the batch's
+    rows as packed sequences (varlen) of equal lengths."""
     batch, seqlen, heads, head_dim = q.shape
+    sequences = None
+    if packed:
+        starts = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
+        sequences = PackedSequences(starts, starts, seqlen, seqlen)
+        q, k = q.flatten(0, 1), k.flatten(0, 1)
     masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
         if mask else None
     bias = None
@@ -141,13 +149,13 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
     if kernel == "gluon-fwd":
         cfg = fwd_hopper.hopper_forward_config(head_dim, bias_form == "full")
         schedule = lists(cfg.block_m, cfg.block_n, False) if mask or full_lists else None
-        fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q),
-                                  torch.empty(batch, heads, seqlen), schedule, masks, bias,
-                                  *lengths)
+        lse = torch.empty(heads, batch * seqlen) if packed else torch.empty(batch, heads, seqlen)
+        fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q), lse, schedule, masks, bias,
+                                  *lengths, sequences)
         return
     cfg = configs.hopper_backward_config(head_dim)
-    row_stats, _, _ = bwd_hopper.backward_row_stats(torch.zeros(batch, heads, seqlen),
-                                                    cfg.block_m)
+    row_stats, _, _ = bwd_hopper.backward_row_stats(batch, heads, seqlen, cfg.block_m,
+                                                    q.device)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
     if configs.hopper_backward_splits_head_dim(head_dim):
         if mask or bias is not None or full_lists:
@@ -165,7 +173,7 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                            else torch.float32)
         dbias = (grad, tuple(grad.stride()))
     bwd_hopper.hopper_backward(q, q, k, k, row_stats, torch.zeros(q.shape), args, *grads,
-                               schedule, masks, bias, dbias, *lengths)
+                               schedule, masks, bias, dbias, *lengths, sequences)
 
 
 def main() -> None:
@@ -181,6 +189,8 @@ def main() -> None:
                         "or a full one")
     parser.add_argument("--row-lengths", action="store_true",
                         help="Gluon kernels: per-row key lengths alone, rows in length order")
+    parser.add_argument("--packed", action="store_true",
+                        help="Gluon kernels: the batch as packed sequences (varlen)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--window", help="left,right (-1: unbounded), as attention's window")
     parser.add_argument("--head-dim", type=int, default=128)
@@ -213,7 +223,7 @@ def main() -> None:
             bwd.attention_backward(q, q, k, v, q, lse, args)
         else:
             _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
-                        opts.row_lengths)
+                        opts.row_lengths, opts.packed)
     for report in reports:
         cubin = report.pop("cubin")
         if opts.cubin:

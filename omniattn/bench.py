@@ -29,7 +29,7 @@ from omniattn.kernels.configs import forward_config, interpreting, switches
 from omniattn.kernels.schedule import RelativePredicate
 
 MODES = ("fwd", "fwd+bwd")
-SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window")
+SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")
 # densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
 # reference their times scale against
 SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
@@ -40,10 +40,13 @@ DYNAMIC_BIASES = {"full": "(B, H, Sq, Sk)", "key": "(B, H, 1, Sk)"}
 # per-row key lengths of the "rows" suite (seqlens_k_per_row), by name: query row i of batch b
 # sees keys [0, lengths[b, i])
 ROW_LENGTHS = {"uniform": "uniform in [1, Sk]", "progressive": "i + 1"}
+# packed documents of the "varlen" suite (cu_seqlens), by name: each document's length is drawn
+# uniformly from this range of fractions of the packed total (16k: [128, 4096], [32, 1024])
+DOCUMENTS = {"long": (1 / 128, 1 / 4), "short": (1 / 512, 1 / 16)}
 # SDPA gets a dynamic workload's mask and bias as one float attn_mask, differentiable under its
 # efficient and math backends, and a rows or window workload's mask as a bool attn_mask; flash
 # takes no attn_mask, and issue #4's SDPA baseline is the efficient backend, so flash and cuDNN
-# get no row on a dynamic, rows or window workload
+# get no row on a dynamic, rows, window or varlen workload
 ELEMENT_MASK_PROVIDERS = ("omniattn", "flex", "sdpa-efficient", "sdpa-math")
 # backward = 2.5x forward FLOPs (FlashAttention's convention: 5 matmuls against 2)
 _FWD_BWD_FLOP_FACTOR = 3.5
@@ -59,7 +62,10 @@ class Workload:
     `causal` (see `workload_keep_mask`), plus a learnable `bias` named in DYNAMIC_BIASES (see
     `workload_bias`). `row_lengths` set (a rows workload): per-row key lengths named in
     ROW_LENGTHS are the only mask (see `workload_row_lengths`). `window` set (a window
-    workload): attention's window (left, right), -1 unbounded, is the only mask."""
+    workload): attention's window (left, right), -1 unbounded, is the only mask. `documents` set
+    (a varlen workload): one batch of seqlen_q tokens packed from documents whose lengths are
+    drawn as DOCUMENTS names (see `workload_documents`), attended each on its own (causal within
+    each if `causal`)."""
 
     name: str
     batch: int
@@ -76,6 +82,7 @@ class Workload:
     bias: str | None = None
     row_lengths: str | None = None
     window: tuple[int, int] | None = None
+    documents: str | None = None
 
     def __post_init__(self):
         if self.density is not None and not 0 < self.density <= 1:
@@ -113,6 +120,17 @@ class Workload:
                 raise ValueError(f"{self.name}: a window workload's window is its only mask; "
                                  f"no causal (a right bound of 0 is causal), density, topk or "
                                  f"row_lengths")
+        if self.documents is not None:
+            if self.documents not in DOCUMENTS:
+                raise ValueError(f"{self.name}: documents must be one of {list(DOCUMENTS)}, "
+                                 f"got {self.documents!r}")
+            if self.batch != 1 or self.seqlen_q != self.seqlen_k:
+                raise ValueError(f"{self.name}: a varlen workload packs its documents in one "
+                                 f"batch of seqlen_q == seqlen_k tokens")
+            if self.density is not None or self.topk is not None \
+                    or self.row_lengths is not None or self.window is not None:
+                raise ValueError(f"{self.name}: a varlen workload's documents are its only "
+                                 f"mask (with causal); no density, topk, row_lengths or window")
 
 
 def _dense_and_causal(shapes, heads: int, head_dim: int, dtype: torch.dtype,
@@ -202,9 +220,19 @@ def _window_suite(cuda: bool) -> list[Workload]:
     return workloads
 
 
+def _varlen_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        total, heads, head_dim, dtype = 16384, 16, 128, torch.bfloat16
+    else:
+        total, heads, head_dim, dtype = 256, 2, 64, torch.float32
+    return [Workload(f"docs-{documents}{'-causal' if causal else ''}-s{total}", 1, total, total,
+                     heads, heads, head_dim, causal, dtype, documents=documents)
+            for documents in DOCUMENTS for causal in (False, True)]
+
+
 _SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
                    "headdim": _headdim_suite, "dynamic": _dynamic_suite, "rows": _rows_suite,
-                   "window": _window_suite}
+                   "window": _window_suite, "varlen": _varlen_suite}
 
 
 def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
@@ -219,7 +247,9 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     rows: 8k B2 H16 D128, dense, then per-row key lengths (seqlens_k_per_row, not causal) each
     of ROW_LENGTHS: uniform in [1, Sk] per row, and i + 1 (causal's pattern: whole tiles skipped);
     window: 8k B2 H16 under a sliding window (1024, 0) at D128, GQA 16/4 and D256, and a local
-    one (512, 512) at D128.
+    one (512, 512) at D128;
+    varlen: 16k tokens H16 D128 packed from documents of 128-4096 or 32-1024 tokens
+    (cu_seqlens), each attended alone, dense or causal.
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
     numbers say nothing about the GPU kernels)."""
     cuda = torch.device(device).type == "cuda"
@@ -293,12 +323,28 @@ def workload_row_lengths(workload: Workload,
     return lengths.clamp(max=seqlen_k).expand(shape).contiguous()
 
 
+def workload_documents(workload: Workload) -> torch.Tensor | None:
+    """The varlen workload's cu_seqlens, int32 (documents + 1,) on the CPU: document lengths
+    drawn uniformly from the DOCUMENTS range (CPU generator seeded 3) until they fill seqlen_q,
+    the last one cut to fit. None for a workload without documents."""
+    if workload.documents is None:
+        return None
+    low, high = (max(1, round(f * workload.seqlen_q)) for f in DOCUMENTS[workload.documents])
+    generator = torch.Generator().manual_seed(3)
+    offsets = [0]
+    while offsets[-1] < workload.seqlen_q:
+        length = int(torch.randint(low, high + 1, (1,), generator=generator))
+        offsets.append(min(offsets[-1] + length, workload.seqlen_q))
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
 class ExtraInputs:
     """What one workload adds to q, k, v, built once per workload and shared by every provider
     and mode (omniattn caches its block-mask schedule on the BlockMask; the 4k keep mask and full
     bias are 1.6 GB): `block_mask` of a sparse workload, `keep` mask and `bias` of a dynamic one,
-    `row_lens` of a rows one (None where the workload has none). The forms one provider needs are
-    built on its first use, outside any timed region."""
+    `row_lens` of a rows one, `cu_seqlens` (on the device) and `max_document` of a varlen one
+    (None where the workload has none). The forms one provider needs are built on its first use,
+    outside any timed region."""
 
     def __init__(self, workload: Workload, device: str | torch.device):
         self.workload = workload
@@ -307,6 +353,9 @@ class ExtraInputs:
         self.keep = workload_keep_mask(workload, device)
         self.bias = workload_bias(workload, device)
         self.row_lens = workload_row_lengths(workload, device)
+        offsets = workload_documents(workload)
+        self.cu_seqlens = None if offsets is None else offsets.to(self.device)
+        self.max_document = None if offsets is None else int(offsets.diff().max())
 
     @property
     def learnable(self) -> tuple[torch.Tensor, ...]:
@@ -340,11 +389,27 @@ class ExtraInputs:
             torch.arange(w.seqlen_k, device=self.device), w.seqlen_q, w.seqlen_k)[None, None]
 
     @functools.cached_property
+    def document_ids(self) -> torch.Tensor:
+        """Each token's document, int64 (seqlen_q,) on the device."""
+        lengths = self.cu_seqlens.diff().long()
+        return torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths)
+
+    @functools.cached_property
+    def sdpa_document_mask(self) -> torch.Tensor:
+        """SDPA's form of the documents: bool (1, 1, S, S) attn_mask, True within a document
+        (and causal inside it if the workload is), materialised (256 MB at 16k)."""
+        docs = self.document_ids
+        mask = docs[:, None] == docs[None, :]
+        if self.workload.causal:
+            mask &= torch.ones_like(mask).tril()
+        return mask[None, None]
+
+    @functools.cached_property
     def flex_block_mask(self):
         """FlexAttention's form of the mask: the block mask converted, the keep mask as a
         mask_mod (causal included, see `workload_keep_mask`), the row lengths as a mask_mod
-        (one mask for every head), the window or bottom-right causal as a mask_mod; None for
-        a dense workload."""
+        (one mask for every head), the window, the documents (causal inside each if the
+        workload is) or bottom-right causal as a mask_mod; None for a dense workload."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         workload = self.workload
@@ -374,6 +439,15 @@ class ExtraInputs:
 
             return create_block_mask(in_window, None, None, workload.seqlen_q,
                                      workload.seqlen_k, device=self.device)
+        if self.cu_seqlens is not None:
+            docs, causal = self.document_ids, workload.causal
+
+            def same_document(b, h, q_idx, kv_idx):
+                inside = docs[q_idx] == docs[kv_idx]
+                return inside & (kv_idx <= q_idx) if causal else inside
+
+            return create_block_mask(same_document, None, None, workload.seqlen_q,
+                                     workload.seqlen_k, device=self.device)
         if workload.causal:
             diag_offset = workload.seqlen_k - workload.seqlen_q
 
@@ -399,9 +473,20 @@ def _to_sdpa_layout(t: torch.Tensor) -> torch.Tensor:
 
 def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
     block_mask, keep, bias, row_lens = extra.block_mask, extra.keep, extra.bias, extra.row_lens
+    cu_seqlens, longest = extra.cu_seqlens, extra.max_document
 
-    # check_inputs=False: the values it checks are the row lengths', in range by construction
-    # (`workload_row_lengths`); checking them syncs with the host on every timed call
+    # check_inputs=False: the values it checks are the row lengths' and cu_seqlens', right by
+    # construction (`workload_row_lengths`, `workload_documents`); checking them syncs with the
+    # host on every timed call
+    def run_packed(q, k, v):  # (1, S, H, D) -> the packed (S, H, D) views
+        return omniattn.attention(q[0], k[0], v[0], causal=workload.causal,
+                                  cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                  max_seqlen_q=longest, max_seqlen_k=longest,
+                                  check_inputs=False).unsqueeze(0)
+
+    if cu_seqlens is not None:
+        return BuiltAttention(run_packed)
+
     def run(q, k, v):
         return omniattn.attention(q, k, v, causal=workload.causal, window=workload.window,
                                   block_mask=block_mask, attn_mask=keep, attn_bias=bias,
@@ -421,10 +506,11 @@ def _sdpa(backend, cuda_only: bool):
             raise RuntimeError("benchmarked on CUDA only")
         # a dynamic workload's float mask hides what causal hides (SDPA takes no attn_mask
         # together with is_causal); a rows or window workload's bool mask is its only mask
-        # (never causal)
+        # (never causal), a varlen one's holds its causal
         attn_mask = extra.sdpa_mask if extra.keep is not None \
             else extra.sdpa_row_mask if extra.row_lens is not None \
-            else extra.sdpa_window_mask if workload.window is not None else None
+            else extra.sdpa_window_mask if workload.window is not None \
+            else extra.sdpa_document_mask if extra.cu_seqlens is not None else None
         is_causal = workload.causal and attn_mask is None
         # SDPA's is_causal is top-left aligned; it equals omniattn's bottom-right causal only here
         if is_causal and workload.seqlen_q != workload.seqlen_k:
@@ -655,7 +741,7 @@ def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str,
     if workload.density is not None:
         runnable = BLOCK_MASK_PROVIDERS
     elif workload.topk is not None or workload.row_lengths is not None \
-            or workload.window is not None:
+            or workload.window is not None or workload.documents is not None:
         runnable = ELEMENT_MASK_PROVIDERS
     else:
         return providers
@@ -682,6 +768,11 @@ def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float 
                                  grouped)
     masked = workload.causal or workload.window is not None
     tile = forward_config(workload.head_dim, workload.dtype, masked=masked)
+    if extra.cu_seqlens is not None:  # each document alone
+        lengths = extra.cu_seqlens.diff().tolist()
+        return (sum(computed_pairs(n, n, workload.causal, tile.block_m, tile.block_n)
+                    for n in lengths),
+                sum(visible_pairs(n, n, workload.causal) for n in lengths), None)
     pairs = computed_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, tile.block_m,
                            tile.block_n, workload.window)
     exact = visible_pairs(workload.seqlen_q, workload.seqlen_k, workload.causal, workload.window)
@@ -861,6 +952,10 @@ def format_table(results: list[dict]) -> str:
         lines += ["", f"sliding<left> / window<left>-<right>: attention's window=(left, right) "
                       f"about the bottom-right diagonal is the only mask; only "
                       f"{', '.join(ELEMENT_MASK_PROVIDERS)} run them (SDPA on a bool mask)"]
+    if any(r.get("documents") is not None for r in results):
+        lines += ["", f"docs-<lengths>: one batch packed from documents (omniattn: cu_seqlens; "
+                      f"the others: a document mask), lengths as fractions of the total "
+                      f"{DOCUMENTS}; only {', '.join(ELEMENT_MASK_PROVIDERS)} run them"]
     return "\n".join(lines)
 
 
@@ -879,7 +974,7 @@ def _rows_notes(results: list[dict]) -> list[str]:
     dense_ms = {(_shape_key(r), r["mode"]): r["ms"] for r in results
                 if r["provider"] == "omniattn" and r["ms"] is not None and not r["causal"]
                 and r["density"] is None and r["topk"] is None and r["row_lengths"] is None
-                and r.get("window") is None}
+                and r.get("window") is None and r.get("documents") is None}
     lines = ["", f"rows-<lengths>: per-row key lengths (seqlens_k_per_row), not causal; only "
                  f"{', '.join(ELEMENT_MASK_PROVIDERS)} run them; ratio = omniattn ms / (dense "
                  f"ms x active tile fraction), to stay <= 1.1"]

@@ -38,6 +38,11 @@ def _tiny_window(name, window):
     return bench.Workload(name, 1, 64, 64, 2, 2, 16, False, torch.float32, window=window)
 
 
+def _tiny_varlen(name, documents, causal=False):
+    """One batch of 64 tokens packed from documents (DOCUMENTS), H2 D16 fp32."""
+    return bench.Workload(name, 1, 64, 64, 2, 2, 16, causal, torch.float32, documents=documents)
+
+
 def _brute_force_pairs(blocks: torch.Tensor, block_size: int, seqlen_q: int, seqlen_k: int) -> int:
     """Visible (query, key) elements of a (1, 1, nQ, nK) block picture, one element at a time."""
     return sum(bool(blocks[0, 0, i // block_size, j // block_size])
@@ -217,6 +222,55 @@ def test_window_providers_agree(reference_path):
     assert "window<left>-<right>" in bench.format_table([row])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_workload_inputs_flops_and_providers(reference_path, causal):
+    """The documents fill the batch within their length range; flops count each document's own
+    tiles; omniattn (cu_seqlens) and SDPA math (the document mask) agree, gradients too."""
+    workload = _tiny_varlen("docs", "short", causal)
+    offsets = bench.workload_documents(workload)
+    lengths = offsets.diff()
+    assert offsets[0] == 0 and offsets[-1] == 64 and offsets.dtype == torch.int32
+    assert len(lengths) > 2 and lengths.min() >= 1 and lengths[:-1].max() <= 4  # 64 / 16
+    assert torch.equal(offsets, bench.workload_documents(workload))  # seeded
+    extra = bench.ExtraInputs(workload, "cpu")
+    assert extra.max_document == lengths.max()
+    mask = extra.sdpa_document_mask[0, 0]
+    starts = offsets[:-1].tolist()
+    for first, length in zip(starts, lengths.tolist()):  # a block per document on the diagonal
+        block = mask[first:first + length, first:first + length]
+        whole = torch.ones_like(block)
+        assert torch.equal(block, whole.tril() if causal else whole)
+    assert mask.sum() == sum(bench.visible_pairs(n, n, causal) for n in lengths.tolist())
+    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    results = []
+    for provider in ("omniattn", "sdpa-math"):
+        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
+    for ours, sdpa in zip(*results):
+        torch.testing.assert_close(ours, sdpa)
+    [row] = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
+                            device="cpu")
+    tile = bench.forward_config(16, torch.float32, masked=causal)
+    assert row["flops"] == 4 * 2 * 16 * sum(
+        bench.computed_pairs(n, n, causal, tile.block_m, tile.block_n) for n in lengths.tolist())
+    assert row["flops_exact"] == 4 * 2 * 16 * mask.sum().item()
+    assert "docs-<lengths>" in bench.format_table([row])
+    assert bench._providers_for(workload, bench.PROVIDERS) == (
+        "omniattn", "sdpa-efficient", "sdpa-math", "flex")
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(documents="tiny"), "documents must be"),
+    (dict(documents="long", batch=2), "one batch"),
+    (dict(documents="long", window=(4, 0)), "only"),
+])
+def test_varlen_workload_validation(fields, match):
+    fields = {"batch": 1, **fields}
+    with pytest.raises(ValueError, match=match):
+        bench.Workload(name="bad", seqlen_q=64, seqlen_k=64, heads=2, heads_k=2, head_dim=16,
+                       causal=False, dtype=torch.float32, **fields)
+
+
 def test_rows_workloads_skip_sdpa_flash_and_cudnn(reference_path):
     workload = _tiny_rows("rows", "progressive")
     assert bench._providers_for(workload, bench.PROVIDERS) == (
@@ -345,6 +399,8 @@ def test_every_suite_constructs(device):
     assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
     assert [w.row_lengths for w in suites["rows"]] == [None, *bench.ROW_LENGTHS]
     assert all(w.window is not None and not w.causal for w in suites["window"])
+    assert [(w.documents, w.causal) for w in suites["varlen"]] == [
+        (documents, causal) for documents in bench.DOCUMENTS for causal in (False, True)]
     assert len({(w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.head_dim, w.dtype, w.causal)
                 for w in suites["rows"]}) == 1  # the dense reference has the lengths' shape
     if device == "cpu":  # masks build here only on the CPU

@@ -84,6 +84,10 @@ def test_gluon_kernels_fit_in_shared_memory(kernel, flags, head_dim, name):
     # per-row key lengths: the forward's q_ready barriers go uninitialised (q is gathered)
     ("gluon-fwd", ["--row-lengths"]),
     ("gluon-bwd", ["--row-lengths"]),
+    # packed sequences: each program's bounds from cu_seqlens, out / dK / dV of cut tiles
+    # stored without TMA
+    ("gluon-fwd", ["--packed", "--causal"]),
+    ("gluon-bwd", ["--packed", "--causal", "--heads-k", "4"]),
 ])
 def test_gluon_kernels_keep_their_barriers_to_themselves(kernel, flags):
     """No plain shared store (warp_specialize's captures) lands on an initialised mbarrier: the

@@ -265,7 +265,11 @@ if GPU:
 
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=case_id)
 def test_varlen(case):
-    lengths_q, lengths_k, heads, heads_k, head_dim, dtype, causal, window, with_row_lens = case
+    run_varlen(*case)
+
+
+def run_varlen(lengths_q, lengths_k, heads, heads_k, head_dim, dtype, causal, window,
+               with_row_lens):
     (q, k, v), cu_q, cu_k = packed_sequences(lengths_q, lengths_k, heads, heads_k, head_dim,
                                              dtype, seed=sum(lengths_q))
     row_lens = None
@@ -284,6 +288,31 @@ def test_varlen(case):
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
     check_against_reference(out, lse, grads, q, k, v, dout, causal=causal, window=window,
                             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k_per_row=row_lens)
+
+
+# (lengths_q, lengths_k, H, Hk, D, dtype, causal, window): sequences of 1, 17, 113, 255 rows and
+# more, one whose rows see no key (Sk = 0) and one with keys and no rows (Sq = 0); whole tiles
+# and tiles cut by a sequence's end, on both sides of it
+GLUON_VARLEN = [
+    ([1, 17, 113, 255, 300, 0, 129], [1, 40, 113, 200, 300, 70, 0], 4, 2, 128, torch.bfloat16,
+     False, None),
+    ([1, 17, 113, 255, 300, 0, 129], [1, 40, 113, 200, 300, 70, 0], 4, 2, 128, torch.bfloat16,
+     True, None),
+    ([256, 384, 5], [256, 384, 5], 4, 4, 128, torch.float16, True, None),
+    ([700, 64, 333], [650, 64, 400], 8, 2, 128, torch.bfloat16, False, (100, 0)),
+    ([1, 17, 255, 300], [1, 40, 200, 301], 4, 2, 256, torch.bfloat16, True, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("case", GLUON_VARLEN, ids=case_id)
+def test_gluon_varlen(gluon_calls, case):
+    """Packed sequences on the Gluon kernels: tiles read from each sequence's first row (what a
+    tile reads of the next sequence dropped), out / dK / dV of a tile cut by the sequence's end
+    stored without TMA, dQ summed at each sequence's rows. The D256 backward is bwd.py's."""
+    run_varlen(*case, with_row_lens=False)
+    assert gluon_calls == (["fwd", "bwd"] if case[4] == 128 else ["fwd"]), gluon_calls
 
 
 def test_varlen_without_max_seqlen_and_unchecked():

@@ -60,13 +60,14 @@ def _sum_kv_parts(
 @triton.jit
 def _bwd_preprocess(
     Out, DOut, Delta, DLse, Q, Lse, RowOrder, QInOrder, DOutInOrder, LseInOrder, LseScaled,
-    DqSum, stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+    DqSum, CuSeqlensQ, stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
     stride_db, stride_dh, stride_dlb, stride_dlh, stride_qb, stride_qm, stride_qh,
     stride_lb, stride_lh, stride_rob, stride_sqb, stride_sqm, stride_sqh,
     stride_sdb, stride_sdm, stride_sdh, stride_zb, stride_zm, stride_zh, seqlen_q, stats_rows,
     num_heads, inv_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, ROW_ORDER: tl.constexpr, FOR_GLUON: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """delta = rowsum(out * dO) - dlse for BLOCK_M rows of one (batch, head), stored for rows below
     stats_rows (0 past seqlen_q). ROW_ORDER: row r is the caller's row row_order[r] (rows in length
@@ -74,14 +75,20 @@ def _bwd_preprocess(
     LseInOrder; not lse with FOR_GLUON) for the backward kernel. FOR_GLUON: the Gluon backward's
     other operands too (a memset launch less per call, and two fills at lengths that are not a
     multiple of its tile): lse * inv_scale in LseScaled (laid out like delta; +inf where lse = -inf,
-    a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q) zeroed."""
+    a row that saw no key, and past seqlen_q: p = 0 there) and DqSum (fp32, like q) zeroed.
+    VARLEN (with FOR_GLUON): batch off_b is packed sequence off_b, its rows from
+    CuSeqlensQ[b] of the packed tensors and from 0 of the stats (Delta, LseScaled)."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    first_q = 0
+    if VARLEN:
+        first_q = tl.load(CuSeqlensQ + off_b)
+        seqlen_q = tl.load(CuSeqlensQ + off_b + 1) - first_q
     in_rows = offs_m < seqlen_q
-    callers = offs_m
+    callers = offs_m + first_q  # packed: batch strides are 0
     if ROW_ORDER:
         callers = tl.load(RowOrder + off_b * stride_rob + offs_m, mask=in_rows, other=0)
     rows = callers.to(tl.int64)[:, None]
@@ -101,7 +108,7 @@ def _bwd_preprocess(
         tl.store(LseScaled + off_b * stride_db + off_h * stride_dh + offs_m,
                  tl.where(lse == float("-inf"), float("inf"), lse * inv_scale), mask=in_stats)
         tl.store(DqSum + off_b * stride_zb + off_h * stride_zh
-                 + offs_m.to(tl.int64)[:, None] * stride_zm + offs_d[None, :],
+                 + (offs_m + first_q).to(tl.int64)[:, None] * stride_zm + offs_d[None, :],
                  tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=in_rows[:, None] & (offs_d[None, :] < HEAD_DIM))
     if ROW_ORDER:
@@ -817,11 +824,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     # per-row key lengths only in length order (the tiles' query ranges come from them)
-    gluon = bits is None and (row_lens is None or row_order is not None) and packed is None \
-        and dropout[0] == 0 and not deterministic and q.numel() > 0 and k.numel() > 0 \
-        and hopper_backward_applies(
+    gluon = bits is None and (row_lens is None or row_order is not None) \
+        and (packed is None or row_lens is None) and dropout[0] == 0 and not deterministic \
+        and q.numel() > 0 and k.numel() > 0 and hopper_backward_applies(
             q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
-            bias_grad)
+            bias_grad, packed)
     dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
         None, None, True, False, None
     if bias_grad:
@@ -831,13 +838,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     if q.numel() == 0 or k.numel() == 0:
         dbias = finish_dbias(dbias_buffer.zero_()) if bias_grad else None
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
-    # delta is per row: packed rows are one long sequence here
-    pre_batch, pre_rows = (1, q.shape[0]) if packed is not None else (batch, seqlen_q)
+    # delta is per row: packed rows are one long sequence here, but for the Gluon kernel
+    pre_batch, pre_rows = (1, q.shape[0]) if packed is not None and not gluon \
+        else (batch, seqlen_q)
     if gluon:
         # lse / scale and delta side by side in a buffer the Gluon kernel loads by TMA, and dQ's
         # fp32 sums: the preprocess fills the one and zeroes the other
         row_stats, lse_scaled, delta = backward_row_stats(
-            lse, hopper_backward_config(head_dim).block_m)
+            batch, num_heads, seqlen_q, hopper_backward_config(head_dim).block_m, q.device)
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         stats_rows = delta.shape[-1]
     else:
@@ -864,11 +872,13 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     launch(_bwd_preprocess, (cdiv(stats_rows, 64), pre_batch * num_heads),
         out, dout, delta, dlse if dlse is not None else delta, q, lse, *order_operands,
         lse_scaled if gluon else delta, dq_sum if gluon else delta,
-        *row_strides(out), *row_strides(dout), *lse_strides(delta),
+        packed_operands(packed, q.device)[0], *row_strides(out), *row_strides(dout),
+        *lse_strides(delta),
         *(lse_strides(dlse) if dlse is not None else (0, 0)), *row_strides(q), *lse_strides(lse),
         *order_strides, *(row_strides(dq_sum) if gluon else (0, 0, 0)), pre_rows, stats_rows,
         num_heads, 1.0 / args.softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64,
         HAS_DLSE=dlse is not None, ROW_ORDER=row_order is not None, FOR_GLUON=gluon,
+        VARLEN=gluon and packed is not None,
     )
     if row_order is not None:
         q, dout, lse = q_in_order, dout_in_order, lse_in_order
@@ -877,14 +887,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             # summed over keys by atomics across key tiles: fp32 zeros
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
-        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks or biases here
+        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks, biases or packing
             hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv, row_lens,
                                  row_order)
         else:
             hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                             schedule.dkdv if schedule is not None else None, mask, bias,
                             (dbias_buffer, dbias_strides) if bias_grad else None, row_lens,
-                            row_order)
+                            row_order, packed)
         return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
     n_tiles_m = cdiv(seqlen_q, block_m2)
     n_tiles_n = cdiv(seqlen_k, block_n1)

@@ -2,14 +2,16 @@
 window, GQA, explicit schedules without bitmaps (element masks, whole-block masks) and biases, with
 the gradient of a key bias (B, Hb, 1, Sk) or of a bias with a (Sq, Sk) tile per query head, and
 per-row key lengths alone (q, dO and the row stats in length order, dQ written back to the caller
-rows). A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of every query
-head of the group that see them (dK and dV summed over the group in registers: no partials);
-explicit schedules list them per head, PARTIAL first. A producer warp streams q and dO tiles, with
-their rows of lse and delta, through TMA into a ring of shared-memory buffers; two consumer
-warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T (keys as the
-wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T through
-shared memory; once both halves of dS are there it computes dQ = dS K for its half of the head dim
-(in the step, or where a third dS buffer fits and it measured faster, in the next one:
+rows), and packed sequences (varlen) without masks or biases (tiles read from each sequence's first
+row, what they read of the next sequence dropped; a key tile cut by its sequence's end stores dK /
+dV without TMA). A program owns BLOCK_N keys of one (batch, KV head) and walks the query tiles of
+every query head of the group that see them (dK and dV summed over the group in registers: no
+partials); explicit schedules list them per head, PARTIAL first. A producer warp streams q and dO
+tiles, with their rows of lse and delta, through TMA into a ring of shared-memory buffers; two
+consumer warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T (keys
+as the wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T
+through shared memory; once both halves of dS are there it computes dQ = dS K for its half of the
+head dim (in the step, or where a third dS buffer fits and it measured faster, in the next one:
 `hopper_backward_dq_trails`) and reduce-adds it into an fp32 buffer through TMA (5 matmuls per tile
 pair; the Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before dS = P (dP -
 delta), as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a 2-byte bias
@@ -30,12 +32,13 @@ from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_
 from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_dq_trails, hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
-from .fwd_hopper import (_copy_tile, _descriptor, _load_tile, _tile_at,
-                         by_tma, flat_launch, gluon_candidate, hand_over, handed, producer_tiles,
-                         tensor_descriptor)
+from .fwd_hopper import (_copy_tile, _descriptor, _flat_rows, _load_tile, _scatter_rows,
+                         _tile_at, by_tma, flat_launch, gluon_candidate, hand_over, handed,
+                         producer_tiles, tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
-from .sequences import row_lens_operands, rows_to_callers, tma_compatible
+from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
+                        row_strides, rows_to_callers, tma_compatible)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -75,8 +78,8 @@ def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_
 
 @gluon.jit
 def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-               lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
-               num_heads, delta_row0, start_n, first_m, end_m, group, seqlen_q, seqlen_k,
+               lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, q_start,
+               k_start, off_hk, num_heads, delta_row0, start_n, first_m, end_m, group, seqlen_q,
                part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div, rows_smem,
                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -92,9 +95,9 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
     (`_listed_tiles`)."""
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
-        _load_tile(k_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(c), k_smem.index(c),
+        _load_tile(k_desc, off_b, key0, off_hk, k_start, kv_ready.index(c), k_smem.index(c),
                    HEAD_DIM, FLAT)
-        _load_tile(v_desc, off_b, key0, off_hk, seqlen_k, kv_ready.index(2 + c), v_smem.index(c),
+        _load_tile(v_desc, off_b, key0, off_hk, k_start, kv_ready.index(2 + c), v_smem.index(c),
                    HEAD_DIM, FLAT)
     i = 0
     for h in range(group):
@@ -133,13 +136,13 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
                 mbarrier.expect(q_ready.index(buf), q_bytes)
             tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
                                             lse_smem.index(buf))
-            _copy_tile(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem.index(buf),
+            _copy_tile(q_desc, off_b, row, head, q_start, q_ready.index(buf), q_smem.index(buf),
                        HEAD_DIM, FLAT)
             mbarrier.expect(do_ready.index(buf),
                             do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
                                             do_ready.index(buf), delta_smem.index(buf))
-            _copy_tile(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf),
+            _copy_tile(do_desc, off_b, row, head, q_start, do_ready.index(buf),
                        do_smem.index(buf), HEAD_DIM, FLAT)
             i += 1
 
@@ -253,7 +256,7 @@ def _dq_matmuls(ds_buf, k_dq0, k_dq1, BLOCK_M: gl.constexpr, HALF_N: gl.constexp
 
 
 @gluon.jit
-def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_scale,
+def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, tile_m, head, softmax_scale,
                    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                    FLAT: gl.constexpr):
     """This consumer's half of query tile tile_m's dQ (of head head), scaled, reduce-added into
@@ -268,7 +271,7 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_
     for c in gl.static_range(2):
         col = head * HEAD_DIM + CONSUMER * (HEAD_DIM // 2) + c * (HEAD_DIM // 4)
         if FLAT:
-            _async_reduce_add(dq_desc, [off_b * seqlen_q + tile_m * BLOCK_M, col],
+            _async_reduce_add(dq_desc, [q_start + tile_m * BLOCK_M, col],
                               dq_smem.index(c))
         else:
             _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
@@ -278,7 +281,7 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
                 bias_row, bias_ready, head_bias, rows_smem, has_next, prev_tile_m, prev_head,
@@ -431,10 +434,10 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
         # this step's dS is there and the previous one's no longer read by this consumer
         mbarrier.arrive(ds_ready.index(i % NUM_DS))
         if i > 0:
-            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, prev_tile_m, prev_head, seqlen_q,
+            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, prev_tile_m, prev_head,
                            softmax_scale, CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     else:
-        _reduce_add_dq(dq, dq_smem, dq_desc, off_b, tile_m, head, seqlen_q, softmax_scale,
+        _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, tile_m, head, softmax_scale,
                        CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     return dk, dv, dbias_keys, tile_m
 
@@ -444,7 +447,7 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
                  q_smem,
                  do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
                  p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                 dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+                 dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
                  qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                  stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
                  bias_row, bias_ready, head_bias, lens_rows, MASKED: gl.constexpr,
@@ -465,7 +468,7 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
         dk, dv, dbias_keys, prev_tile_m = _query_tile(
             i, first + j, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
             p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-            dbias_keys, keys, key0, off_b, head, seqlen_q, seqlen_k, diag, diag_left,
+            dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
             qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
             bias_ready, head_bias, rows_smem, j + 1 < num_steps, prev_tile_m, prev_head,
@@ -483,16 +486,17 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
 @gluon.jit
 def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                    v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
-                   ds_ready, kv_done, off_b, off_hk, start_n, first_m, first_full, last_full,
+                   ds_ready, kv_done, off_b, q_start, k_start, off_hk, start_n, first_m,
+                   first_full, last_full,
                    end_m, num_m_tiles, group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
                    softmax_scale,
                    part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                    stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
                    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
                    stride_dbh, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row0,
-                   bias_ready, rows_smem, lens_rows, CONSUMER: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
-                   ROW_ORDER: gl.constexpr,
+                   bias_ready, rows_smem, lens_rows, dk_rows, stride_dkm, dv_rows, stride_dvm,
+                   CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
                    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
                    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -505,7 +509,10 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
     first_full) and [last_full, end_m) are masked (ROW_ORDER: by the rows' lengths too),
     [first_full, last_full) whole; explicit: the PARTIAL ones, or all of them when the key tile runs
-    past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of the batch."""
+    past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of the batch. PACKED: a
+    key tile cut by its sequence's end stores its rows inside it to dk_rows / dv_rows (key 0 of
+    the sequence and KV head) without TMA. q_start / k_start: the batch's first rows of the flat
+    (FLAT) views."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -579,8 +586,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     num_steps, rows_smem,
                     q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
                     k_dq0, k_dq1, p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
-                    ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, head, seqlen_q,
-                    seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
+                    ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, q_start, head,
+                    seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
                     stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
                     stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
                     head_bias, lens_rows, run == 0 or (run == 2 and not EXPLICIT), run != 1,
@@ -601,20 +608,27 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             dq = _dq_matmuls(ds_smem.index((i - 1) % NUM_DS), k_dq0, k_dq1, BLOCK_M, HALF_N,
                              HEAD_DIM, dq_layout)
             dq = warpgroup_mma_wait(0, deps=(dq,))
-            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, prev_tile_m, prev_head, seqlen_q,
+            _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, prev_tile_m, prev_head,
                            softmax_scale, CONSUMER, BLOCK_M, HEAD_DIM, FLAT)
     # V's half is this consumer's alone; K's is read by the other consumer's dQ until it is done
     v_half.store(dv.to(v_half.dtype))
     mbarrier.arrive(kv_done)
     mbarrier.wait(kv_done, 0)
     k_half.store((dk * softmax_scale).to(k_half.dtype))
-    fence_async_shared()
-    if FLAT:
-        tma.async_copy_shared_to_global(dv_desc, [off_b * seqlen_k + key0, off_hk * HEAD_DIM],
+    if PACKED and key0 + HALF_N > seqlen_k:
+        # TMA would write the next sequence's keys too
+        _scatter_rows(v_half, dv_rows, stride_dvm, dv_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
+                      ORDERED=False)
+        _scatter_rows(k_half, dk_rows, stride_dkm, dk_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
+                      ORDERED=False)
+    elif FLAT:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dv_desc, [k_start + key0, off_hk * HEAD_DIM],
                                         v_smem.index(CONSUMER))
-        tma.async_copy_shared_to_global(dk_desc, [off_b * seqlen_k + key0, off_hk * HEAD_DIM],
+        tma.async_copy_shared_to_global(dk_desc, [k_start + key0, off_hk * HEAD_DIM],
                                         k_smem.index(CONSUMER))
     else:
+        fence_async_shared()
         tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hk, 0], v_smem.index(CONSUMER))
         tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hk, 0], k_smem.index(CONSUMER))
     tma.store_wait(0)
@@ -672,10 +686,11 @@ def _bwd_hopper_kernel(
     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
     Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
     Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div, bias_desc, bias_batch_rows,
-    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn, RowLens, stride_rlb,
+    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn, RowLens, stride_rlb, CuSeqlensQ,
+    CuSeqlensK, DK, stride_dkm, stride_dkh, DV, stride_dvm, stride_dvh,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
-    MASK_ROWS_SHARED: gl.constexpr,
+    EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
+    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
     MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
     BIAS_COLS_SHARED: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
@@ -687,6 +702,20 @@ def _bwd_hopper_kernel(
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
                                              BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
+    # the batch's first rows in the flat views (FLAT)
+    q_start = off_b * seqlen_q
+    k_start = off_b * seqlen_k
+    if PACKED:
+        # sequence off_b: rows [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise
+        q_start = gl.load(CuSeqlensQ + off_b)
+        seqlen_q = gl.load(CuSeqlensQ + off_b + 1) - q_start
+        k_start = gl.load(CuSeqlensK + off_b)
+        seqlen_k = gl.load(CuSeqlensK + off_b + 1) - k_start
+        diag_offset = seqlen_k - seqlen_q
+        if start_n >= seqlen_k:  # the grid covers the longest sequence
+            return
+    dk_rows = DK + off_hk.to(gl.int64) * stride_dkh + k_start.to(gl.int64) * stride_dkm
+    dv_rows = DV + off_hk.to(gl.int64) * stride_dvh + k_start.to(gl.int64) * stride_dvm
     num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
     diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)
     diag_left = diag_offset - window_left  # and from r + diag_left (HAS_LEFT)
@@ -778,40 +807,44 @@ def _bwd_hopper_kernel(
     gl.warp_specialize([
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem0, ds_smem, dq_smem0, kv_ready, q_ready,
-                          do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
-                          first_full, last_full, end_m, num_m_tiles, group, seqlen_q, seqlen_k,
+                          do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
+                          start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
+                          seqlen_q, seqlen_k,
                           diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
                           full_num, full_list,
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, 0,
-                          HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, dk_rows,
+                          stride_dkm, dv_rows, stride_dvm, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          ROW_ORDER, PACKED,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
-                          do_ready, qdo_free, ds_ready, kv_done, off_b, off_hk, start_n, first_m,
-                          first_full, last_full, end_m, num_m_tiles, group, seqlen_q, seqlen_k,
+                          do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
+                          start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
+                          seqlen_q, seqlen_k,
                           diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
                           full_num, full_list,
                           stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
                           mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
                           bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
                           stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, 1,
-                          HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
+                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, dk_rows,
+                          stride_dkm, dv_rows, stride_dvm, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          ROW_ORDER, PACKED,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
-                      off_hk, num_heads_k * group, delta_row0, start_n, first_m, end_m,
-                      group, seqlen_q, seqlen_k, part_num, part_list, full_num, full_list,
+                      q_start, k_start, off_hk, num_heads_k * group, delta_row0, start_n,
+                      first_m, end_m, group, seqlen_q, part_num, part_list, full_num, full_list,
                       stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
                       off_b * mask_batch_rows, mask_head_div, rows_smem, BLOCK_M,
                       BLOCK_N // 2, HEAD_DIM,
@@ -822,16 +855,23 @@ def _bwd_hopper_kernel(
 def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             dout: torch.Tensor, args: KernelArgs,
                             schedule: TileLists | None = None, mask: Elementwise | None = None,
-                            bias: Elementwise | None = None, bias_grad: bool = False) -> bool:
+                            bias: Elementwise | None = None, bias_grad: bool = False,
+                            packed: PackedSequences | None = None) -> bool:
     """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
-    `bwd_hopper_wide`'s, which takes no lists, masks or biases): a `gluon_candidate` (device,
-    dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim it has tiles for,
-    q / k / v / dO aligned for TMA, transposed lists (if any: an element mask's or a block
-    mask's) at its tiles, and a bias gradient it writes: any but that of a (Sq, Sk) bias
-    shared by several query heads (its sum over them is bwd.py's). The caller excludes what
-    `gluon_candidate` does not see (bitmaps, lengths, packing, dropout, determinism)."""
+    `bwd_hopper_wide`'s, which takes no lists, masks, biases or packed sequences): a
+    `gluon_candidate` (device, dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim
+    it has tiles for, q / k / v / dO aligned for TMA, transposed lists (if any: an element
+    mask's or a block mask's) at its tiles, and a bias gradient it writes: any but that of a
+    (Sq, Sk) bias shared by several query heads (its sum over them is bwd.py's). Packed
+    sequences: (total, H, D) tensors with heads packed, without lists or a bias. The caller
+    excludes what `gluon_candidate` does not see (bitmaps, lengths, dropout, determinism)."""
     cfg = hopper_backward_config(q.shape[-1])
-    if cfg is None or q.dim() != 4 or not gluon_candidate(q, args, backward=True):
+    if cfg is None or q.dim() != (4 if packed is None else 3) \
+            or not gluon_candidate(q, args, backward=True):
+        return False
+    if packed is not None and (schedule is not None or bias is not None
+                               or hopper_backward_splits_head_dim(q.shape[-1])
+                               or not all(_flat_rows(t) for t in (q, k, v, dout))):
         return False
     if hopper_backward_splits_head_dim(q.shape[-1]) \
             and (schedule is not None or mask is not None or bias is not None):
@@ -850,7 +890,7 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # (2026-11-24): window (1024, 0) 2.675 (1.764) / 2.736 (2.030), (512, 512) 2.717 (1.795) /
     # 2.681 (1.989); B1 16k (1024, 0) 1.376 / 1.399. With an element mask's lists it wins: a
     # 75% random mask + key bias, (1024, 0), B2 H16 4k, 0.893 (0.472) / 1.042 (0.676)
-    if args.has_left and schedule is None and q.shape[2] == k.shape[2] \
+    if args.has_left and schedule is None and q.shape[-2] == k.shape[-2] \
             and not hopper_backward_splits_head_dim(q.shape[-1]):
         return False
     # block masks too since the consumers take their tiles from the producer: H100, 16k B1 H16,
@@ -864,14 +904,15 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dout.shape == q.shape and tma_compatible(q, k, v, dout)
 
 
-def backward_row_stats(lse: torch.Tensor, block_m: int):
+def backward_row_stats(batch: int, heads: int, seqlen_q: int, block_m: int,
+                       device: torch.device):
     """The per-row operands of the Gluon backward in one fp32 buffer the producer loads by TMA
     (each row a multiple of 16 bytes): (2, B, H, Sq rounded up to block_m), [0] lse / scale
-    (+inf past Sq and where lse = -inf: p = 0 there), [1] delta (0 past Sq). Returns (buffer,
-    its halves (B, H, Sq rounded up) for the preprocess to fill, padding included)."""
-    batch, heads, seqlen_q = lse.shape
+    (+inf past Sq and where lse = -inf: p = 0 there), [1] delta (0 past Sq); packed sequences
+    at their rows from 0 (Sq: the longest). Returns (buffer, its halves (B, H, Sq rounded up)
+    for the preprocess to fill, padding included)."""
     padded = cdiv(seqlen_q, block_m) * block_m
-    stats = torch.empty((2, batch, heads, padded), dtype=torch.float32, device=lse.device)
+    stats = torch.empty((2, batch, heads, padded), dtype=torch.float32, device=device)
     return (stats, *stats.unbind(0))
 
 
@@ -899,31 +940,35 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     schedule: TileLists | None = None,
                     mask: Elementwise | None = None, bias: Elementwise | None = None,
                     dbias: tuple | None = None, row_lens: torch.Tensor | None = None,
-                    row_order: torch.Tensor | None = None) -> None:
-    """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout
-    (like q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse);
-    dQ is summed in dq_sum (fp32 like q, zeroed) and copied to dq.
-    schedule: the transposed (dK/dV) lists, PARTIAL tiles apply the mask; the bias is added in
-    every tile. dbias: (buffer, its 4 strides), a slot per query head: a key bias's sums over
-    queries, a (Sq, Sk) bias's tiles (those no list visits are the caller's to zero), or, for
-    a bias with one column, sums over keys added into it (fp32, zeroed by the caller).
-    row_lens / row_order (per-row key lengths alone, `length_order`): dout, q and row_stats
-    come in length order, dQ is summed in it and written to the caller's rows of dq.
-    The caller checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles,
-    so it is not bitwise reproducible."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+                    row_order: torch.Tensor | None = None,
+                    packed: PackedSequences | None = None) -> None:
+    """dq (like q), dk / dv (like k / v, summed over each KV group) written in place from dout (like
+    q) and row_stats (`backward_row_stats`, filled in: delta = rowsum(dO * O) - dlse); dQ is summed
+    in dq_sum (fp32 like q, zeroed) and copied to dq. schedule: the transposed (dK/dV) lists,
+    PARTIAL tiles apply the mask; the bias is added in every tile. dbias: (buffer, its 4 strides), a
+    slot per query head: a key bias's sums over queries, a (Sq, Sk) bias's tiles (those no list
+    visits are the caller's to zero), or, for a bias with one column, sums over keys added into it
+    (fp32, zeroed by the caller). row_lens / row_order (per-row key lengths alone, `length_order`):
+    dout, q and row_stats come in length order, dQ is summed in it and written to the caller's rows
+    of dq. packed: (total, H, D) tensors, row_stats at each sequence's rows from 0. The caller
+    checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles, so it is not
+    bitwise reproducible."""
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_k = k.shape[-2]
     if mask is not None and schedule is None:
         raise ValueError("hopper_backward: an element mask comes with its schedule's lists")
     if (row_lens is None) != (row_order is None):
         raise ValueError("hopper_backward: row_lens and row_order come together")
     cfg = hopper_backward_config(head_dim)
-    if not tma_compatible(dk, dv):
+    if not tma_compatible(dk, dv) or (packed is not None
+                                      and not (_flat_rows(dk) and _flat_rows(dv))):
         dk_out, dv_out, dk, dv = dk, dv, torch.empty_like(k), torch.empty_like(v)
     else:
         dk_out = dv_out = None
-    flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum, dk,
-                       dv)
+    flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
+                                             v, dout, dq_sum, dk, dv)
+    even = packed is None
     # rows in length order: key tile 0 has the most query tiles, as with causal. H100, B2 H16
     # 8k, backward kernel ms, program order / longest first (2026-11-24): uniform lengths
     # 2.900 / 2.823, i + 1 2.902 / 2.839, GQA 16/4 uniform 3.495 / 2.906
@@ -959,16 +1004,18 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         *(bias.operands() if bias is not None else unused),
         *(bias_tma if bias_tma is not None else (stats_desc, 0)),
         *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
-        *row_lens_operands(row_lens, q.device)[:2],
+        *row_lens_operands(row_lens, q.device)[:2], *packed_operands(packed, q.device),
+        dk, *row_strides(dk)[1:], dv, *row_strides(dv)[1:],
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
         EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None,
+        PACKED=packed is not None,
         **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
         BIAS_TMA=bias_tma is not None,
         DBIAS=dbias is not None,
         # a (Sq, Sk) gradient in the inputs' dtype is the dS tile dQ reads: stored from there
         DBIAS_FROM_DS=dbias is not None and bias.spans_queries_and_keys
         and dbias[0].dtype == q.dtype,
-        EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0,
+        EVEN_M=even and seqlen_q % cfg.block_m == 0, EVEN_N=even and seqlen_k % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers,
         NUM_DS=3 if dq_trails else 2, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,

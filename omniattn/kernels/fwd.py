@@ -277,10 +277,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
-    Calls without bits, packing or dropout, and with row_lens only in length order (row_order),
-    run the Gluon kernel of fwd_hopper.py where it applies (sm90, head dim 128 or 256, no
-    softcap, a bias spanning (Sq, Sk) only at 128 and if TMA can read it, a schedule at its
-    tiles)."""
+    Calls without bits or dropout, with row_lens only in length order (row_order) and packing
+    only without a schedule, bias or row_lens, run the Gluon kernel of fwd_hopper.py where it
+    applies (sm90, head dim 128 or 256, no softcap, a bias spanning (Sq, Sk) only at 128 and if
+    TMA can read it, a schedule at its tiles)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
@@ -294,10 +294,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         return out, lse
     elementwise = mask is not None or bias is not None
     # per-row key lengths only in length order (the tiles' key ranges come from them)
-    gluon = bits is None and (row_lens is None or row_order is not None) and packed is None \
-        and dropout[0] == 0
-    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias):
-        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order)
+    gluon = bits is None and (row_lens is None or row_order is not None) and dropout[0] == 0 \
+        and (packed is None or row_lens is None)
+    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias, packed):
+        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
         return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None

@@ -9,7 +9,9 @@ from the schedule's lists (PARTIAL tiles first, then FULL ones). A byte mask and
 spanning (Sq, Sk) come by TMA with K (the producer's), their broadcast forms by each consumer's
 loads straight into the scores' layout; either is read while the wgmmas run. Per-row key lengths
 alone run with the rows in length order: each consumer gathers its q rows and scatters its out
-rows, and takes its key range from its rows' lengths. Lengths with other terms, packing,
+rows, and takes its key range from its rows' lengths. Packed sequences (varlen) without masks or
+biases read their tiles at each sequence's first row of the flat views; a tile cut by a sequence's
+end stores its rows inside it without TMA. Lengths with other terms, packed sequences with masks,
 dropout, softcap and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
@@ -28,29 +30,30 @@ from .configs import (cdiv, compute_capability, gluon_enabled, hopper_backward_c
 from .elementwise import Elementwise
 from .launch import launch
 from .schedule import KernelArgs, TileLists
-from .sequences import row_lens_operands, row_strides, tma_compatible
+from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
+                        row_lens_operands, row_strides, tma_compatible)
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _copy_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
+def _copy_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM: gl.constexpr,
                FLAT: gl.constexpr):
     """TMA copy of the tile at (batch, first row, head) into dst; it arrives on `ready`, whose
-    expected bytes the caller set."""
+    expected bytes the caller set. FLAT: the batch's rows start at seq_start of the 2-d view."""
     if FLAT:
-        tma.async_copy_global_to_shared(desc, [off_b * seqlen + row, head * HEAD_DIM], ready, dst)
+        tma.async_copy_global_to_shared(desc, [seq_start + row, head * HEAD_DIM], ready, dst)
     else:
         tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], ready, dst)
 
 
 @gluon.jit
-def _load_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM: gl.constexpr,
+def _load_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM: gl.constexpr,
                FLAT: gl.constexpr):
     """`_copy_tile` as the only copy arriving on `ready`."""
     mbarrier.expect(ready, desc.block_type.nbytes)
-    _copy_tile(desc, off_b, row, head, seqlen, ready, dst, HEAD_DIM, FLAT)
+    _copy_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM, FLAT)
 
 
 @gluon.jit
@@ -114,11 +117,11 @@ def _next_key_start(step, first_tile, num_tiles, next_tiles, buf, EXPLICIT: gl.c
 @gluon.jit
 def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
              off_b, off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list,
-             full_list, seqlen_q,
-             seqlen_k, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row,
-             next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
-             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr, ROW_ORDER: gl.constexpr):
+             full_list, q_start, k_start, mask_desc, mask_smem, mask_row, bias_desc, bias_smem,
+             bias_row, next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+             EXPLICIT: gl.constexpr, MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr,
+             ROW_ORDER: gl.constexpr):
     """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather theirs),
     then the K and V tiles of step j (key tile first_tile + j of an implicit schedule) into buffer j
     % NUM_BUF, each as soon as both consumers released the one of the step that used the buffer
@@ -126,10 +129,11 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
     steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch, head,
     query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias tiles, likewise.
     Explicit schedules: the next step's key tile into next_tiles beside the buffer, before K's
-    arrival (the list entry read a step ahead)."""
+    arrival (the list entry read a step ahead). q_start / k_start: the batch's first row of the
+    flat (FLAT) descriptors."""
     if not ROW_ORDER:
         for c in gl.static_range(2):
-            _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, seqlen_q, q_ready.index(c),
+            _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, q_start, q_ready.index(c),
                        q_smem.index(c), HEAD_DIM, FLAT)
     next_tile = _tile_at(0, num_part, part_list, full_list, EXPLICIT)
     for j in range(num_tiles):
@@ -164,13 +168,13 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
                     tma.async_copy_global_to_shared(
                         bias_desc, [bias_row + c * BLOCK_M, start_n], k_ready.index(buf),
                         bias_smem.index(buf * 2 + c))
-            _copy_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
+            _copy_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         else:
-            _load_tile(k_desc, off_b, start_n, off_hk, seqlen_k, k_ready.index(buf),
+            _load_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         mbarrier.wait(kv_free.index(NUM_BUF + buf), ((j // NUM_BUF) & 1) ^ 1)
-        _load_tile(v_desc, off_b, start_n, off_hk, seqlen_k, v_ready.index(buf),
+        _load_tile(v_desc, off_b, start_n, off_hk, k_start, v_ready.index(buf),
                    v_smem.index(buf), HEAD_DIM, FLAT)
 
 
@@ -301,13 +305,17 @@ _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 @gluon.jit
 def _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr = True):
     """(pointers [BM, D], rows inside Sq [BM]) of rows [row0, row0 + BM) of the length order at
-    their caller rows order_rows[r] of rows_base, in `_ROWS_LAYOUT`."""
+    their caller rows order_rows[r] of rows_base (not ORDERED: at rows row0 + r), in
+    `_ROWS_LAYOUT`."""
     local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
     inside = row0 + local < seqlen_q
-    callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
+    if ORDERED:
+        callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
+    else:
+        callers = row0 + local
     return rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :], inside
 
 
@@ -324,21 +332,23 @@ def _gather_rows(rows_base, stride_m, order_rows, row0, seqlen_q, dst, BLOCK_M: 
 
 @gluon.jit
 def _scatter_rows(src, rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
-                  HEAD_DIM: gl.constexpr):
-    """`_gather_rows` reversed: src's rows ([BM, D] in shared memory) to their caller rows."""
+                  HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr = True):
+    """`_gather_rows` reversed: src's rows ([BM, D] in shared memory) to their caller rows (not
+    ORDERED: to rows row0 + r, those inside Sq)."""
     ptrs, inside = _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M,
-                                HEAD_DIM)
+                                HEAD_DIM, ORDERED)
     gl.store(ptrs, src.load(_ROWS_LAYOUT), mask=inside[:, None])
 
 
 @gluon.jit
-def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
-            stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
+def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, lse_rows_base,
+            q_start, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
             window_left, window_right, qk_scale_log2, first_tile, num_tiles_cta, num_part,
             part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
             stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om,
             lens_rows, order_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
+            PACKED: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -357,7 +367,9 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     alone, rows in length order, longest first; lens_rows / order_rows: the batch's sorted
     lengths and caller rows): keys [0, the last row's length) are seen whole, none past the
     first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows (each
-    at row 0 of the (batch, head))."""
+    at row 0 of the (batch, head)). PACKED: a tile cut by the sequence's end stores its rows
+    inside it to o_rows (TMA would write the next sequence's rows too). lse_rows_base: the
+    (batch, head)'s lse at row 0; q_start: the batch's first row of the flat (FLAT) view."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -481,24 +493,27 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     lse_rows = rows
     if ROW_ORDER:
         lse_rows = gl.load(order_rows + rows, mask=rows < seqlen_q, other=0)
-    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + lse_rows
-    gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+    gl.store(lse_rows_base + lse_rows, lse, mask=rows < seqlen_q)
     # the query buffer is free now: stage the output there
     if ROW_ORDER:
         q.store(out)
         _scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM)
     else:
-        # TMA drops rows past Sq
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         q.store(out)
-        fence_async_shared()
-        if FLAT:
-            tma.async_copy_shared_to_global(o_desc, [off_b * seqlen_q + row0, off_h * HEAD_DIM],
-                                            q_smem.index(CONSUMER))
+        if PACKED and row0 + BLOCK_M > seqlen_q:
+            _scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM,
+                          ORDERED=False)
         else:
-            tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0],
-                                            q_smem.index(CONSUMER))
-        tma.store_wait(0)
+            # padded: TMA drops rows past Sq
+            fence_async_shared()
+            if FLAT:
+                tma.async_copy_shared_to_global(o_desc, [q_start + row0, off_h * HEAD_DIM],
+                                                q_smem.index(CONSUMER))
+            else:
+                tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0],
+                                                q_smem.index(CONSUMER))
+            tma.store_wait(0)
 
 
 @gluon.jit
@@ -570,9 +585,9 @@ def _fwd_hopper_kernel(
     stride_mn, mask_head_div, mask_desc, mask_batch_rows, Bias, stride_bb, stride_bh, stride_bm,
     stride_bn, bias_head_div, bias_desc, bias_batch_rows, seqlen_q, seqlen_k, num_heads, group,
     diag_offset, window_left, window_right, qk_scale_log2, Q, stride_qb, stride_qm, stride_qh,
-    Out, stride_ob, stride_om, stride_oh, RowLens, stride_rlb, RowOrder, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr, EXPLICIT: gl.constexpr,
-    ROW_ORDER: gl.constexpr,
+    Out, stride_ob, stride_om, stride_oh, RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr,
+    EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
     HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
     MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
     BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
@@ -588,6 +603,19 @@ def _fwd_hopper_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
+    # the batch's first rows in the flat views (FLAT)
+    q_start = off_b * seqlen_q
+    k_start = off_b * seqlen_k
+    if PACKED:
+        # sequence off_b: rows [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise
+        first_q = gl.load(CuSeqlensQ + off_b)
+        seqlen_q = gl.load(CuSeqlensQ + off_b + 1) - first_q
+        k_start = gl.load(CuSeqlensK + off_b)
+        seqlen_k = gl.load(CuSeqlensK + off_b + 1) - k_start
+        diag_offset = seqlen_k - seqlen_q
+        q_start = first_q
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
     if EXPLICIT:
         part_num, part_list, full_num, full_list = schedule_rows(
             KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
@@ -613,6 +641,10 @@ def _fwd_hopper_kernel(
         num_tiles = gl.minimum(num_tiles, gl.cdiv(gl.load(lens_rows + start_m), BLOCK_N))
     q_rows = Q + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
     o_rows = Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    lse_rows_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+    if PACKED:
+        o_rows += first_q.to(gl.int64) * stride_om
+        lse_rows_base += first_q
     # int64: batch / head / row offsets of a (B, H, Sq, Sk) mask pass 2**31 elements
     mask_rows = Mask + off_b.to(gl.int64) * stride_mb \
         + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
@@ -646,27 +678,27 @@ def _fwd_hopper_kernel(
         mbarrier.init(kv_free.index(NUM_BUF + i), count=2)
 
     gl.warp_specialize([
-        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
-                   stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
-                   part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows,
-                   stride_om, lens_rows, order_rows, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
-                   HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
-                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
-                   NUM_BUF, FLAT)),
-        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, Lse,
-                   stride_lb, stride_lh, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-                   window_left, window_right, qk_scale_log2, first_tile, num_tiles, num_part,
-                   part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-                   stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows,
-                   stride_om, lens_rows, order_rows, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
-                   HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_TMA,
-                   BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
-                   NUM_BUF, FLAT)),
+        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                   lse_rows_base, q_start, off_b, off_h, start_m, seqlen_q, seqlen_k,
+                   diag_offset, window_left, window_right, qk_scale_log2, first_tile, num_tiles,
+                   num_part, part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows,
+                   stride_bm, stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm,
+                   o_rows, stride_om, lens_rows, order_rows, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   ROW_ORDER, PACKED, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                   HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
+        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                   lse_rows_base, q_start, off_b, off_h, start_m, seqlen_q, seqlen_k,
+                   diag_offset, window_left, window_right, qk_scale_log2, first_tile, num_tiles,
+                   num_part, part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows,
+                   stride_bm, stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm,
+                   o_rows, stride_om, lens_rows, order_rows, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                   ROW_ORDER, PACKED, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                   HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
         (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                     kv_free, off_b, off_h, off_h // group, start_m, first_tile, num_tiles,
-                    num_part, part_list, full_list, seqlen_q, seqlen_k, mask_desc, mask_smem,
+                    num_part, part_list, full_list, q_start, k_start, mask_desc, mask_smem,
                     off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
                     bias_desc, bias_smem,
                     off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
@@ -694,12 +726,20 @@ def gluon_candidate(q: torch.Tensor, args: KernelArgs,
 
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, args: KernelArgs, schedule: TileLists | None = None,
-                           bias: Elementwise | None = None) -> bool:
+                           bias: Elementwise | None = None,
+                           packed: PackedSequences | None = None) -> bool:
     """Whether `hopper_forward` runs this call: a candidate (above) with (B, S, H, D) tensors
-    that TMA can read and an explicit schedule, if any, at its tiles."""
+    that TMA can read and an explicit schedule, if any, at its tiles; packed sequences with
+    (total, H, D) tensors whose heads are packed (viewable as (total, H * D)), without a schedule
+    or bias."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
-    if q.dim() != 4 or lse.dim() != 3 or lse.stride(-1) != 1 \
-            or not gluon_candidate(q, args, full_bias):
+    if packed is not None:
+        if q.dim() != 3 or lse.dim() != 2 or schedule is not None or bias is not None \
+                or not all(_flat_rows(t) for t in (q, k, v, out)):
+            return False
+    elif q.dim() != 4 or lse.dim() != 3:
+        return False
+    if lse.stride(-1) != 1 or not gluon_candidate(q, args, full_bias):
         return False
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
@@ -709,7 +749,10 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 
 
 def _flat_rows(t: torch.Tensor) -> bool:
-    """(B, S, H, D) with heads and rows packed: viewable as (B * S, H * D)."""
+    """(B, S, H, D) with heads and rows packed: viewable as (B * S, H * D); packed sequences'
+    (total, H, D) with heads packed: as (total, H * D)."""
+    if t.dim() == 3:
+        return t.stride(1) == t.shape[2]
     batch, seqlen, heads, dim = t.shape
     return t.stride(2) == dim and t.stride(0) == seqlen * t.stride(1)
 
@@ -739,8 +782,12 @@ def _descriptor(t: torch.Tensor, block_rows: int, flat: bool,
                 block_cols: int | None = None) -> TensorDescriptor:
     """4-d over (B, S, H, D): tiles stop at each sequence's end (TMA fills 0, drops stores);
     flat: 2-d over (B * S, H * D), for launches whose tiles never cross a sequence's end (H100
-    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456).
-    block_cols: of the head dim (all of it by default)."""
+    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456), or over
+    packed sequences' (total, H, D) as (total, H * D), whose tiles do (the kernels drop what
+    they read of the next sequence and store none of its rows). block_cols: of the head dim
+    (all of it by default)."""
+    if t.dim() == 3:
+        t = t.unsqueeze(0)
     batch, seqlen, heads, dim = t.shape
     block_cols = dim if block_cols is None else block_cols
     if flat:  # rows packed (`flat_launch`): the view (B * S, H * D) without making it
@@ -789,16 +836,18 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
                    out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None = None,
                    mask: Elementwise | None = None, bias: Elementwise | None = None,
                    row_lens: torch.Tensor | None = None,
-                   row_order: torch.Tensor | None = None) -> None:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in
-    place. schedule: the forward lists (None: dense / causal / window from args); the mask
-    (which needs them) is applied in their PARTIAL tiles, the bias in every tile. row_lens /
-    row_order (int32 (B, Sq), contiguous; per-row key lengths alone): the lengths sorted
-    longest first within each batch, clamped to [0, Sk], and the caller row of each
-    (`length_order`): tiles follow that order, q / out / lse stay in the caller's. The caller
-    checked `hopper_forward_applies`."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+                   row_order: torch.Tensor | None = None,
+                   packed: PackedSequences | None = None) -> None:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in place;
+    packed: q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q). schedule: the forward lists
+    (None: dense / causal / window from args); the mask (which needs them) is applied in their
+    PARTIAL tiles, the bias in every tile. row_lens / row_order (int32 (B, Sq), contiguous; per-row
+    key lengths alone): the lengths sorted longest first within each batch, clamped to [0, Sk], and
+    the caller row of each (`length_order`): tiles follow that order, q / out / lse stay in the
+    caller's. The caller checked `hopper_forward_applies`."""
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_k = k.shape[-2]
     if mask is not None and schedule is None:
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     if (row_lens is None) != (row_order is None):
@@ -806,7 +855,9 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys)
     block_m = cfg.block_m // 2  # rows per consumer warpgroup
     n_tiles_m = cdiv(seqlen_q, cfg.block_m)
-    flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, out)
+    flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
+                                             v, out)
+    even = packed is None
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
@@ -815,8 +866,8 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     q_desc = _descriptor(q, block_m, flat)
     launch(_fwd_hopper_kernel, (n_tiles_m, batch * num_heads),
         q_desc, _descriptor(k, cfg.block_n, flat),
-        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse, lse.stride(0),
-        lse.stride(1), *lists,
+        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse,
+        *lse_strides(lse), *lists,
         *(mask.operands() if mask is not None else unused),
         *(mask_tma if mask_tma is not None else (q_desc, 0)),
         *(bias.operands() if bias is not None else unused),
@@ -824,11 +875,13 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
         args.window_left, args.window_right, args.qk_scale_log2, q, *row_strides(q), out,
         *row_strides(out), *row_lens_operands(row_lens, q.device, row_order),
+        *packed_operands(packed, q.device),
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
-        EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None,
+        EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None, PACKED=packed is not None,
         **Elementwise.kernel_flags(mask, bias),
         MASK_TMA=mask_tma is not None, BIAS_TMA=bias_tma is not None,
-        EVEN_M=seqlen_q % cfg.block_m == 0, EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=block_m,
+        EVEN_M=even and seqlen_q % cfg.block_m == 0, EVEN_N=even and seqlen_k % cfg.block_n == 0,
+        BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         NUM_BUF=cfg.num_buffers if mask_tma is None else cfg.mask_buffers, FLAT=flat,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
