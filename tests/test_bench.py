@@ -43,6 +43,17 @@ def _tiny_varlen(name, documents, causal=False):
     return bench.Workload(name, 1, 64, 64, 2, 2, 16, causal, torch.float32, documents=documents)
 
 
+def _assert_providers_agree(workload, extra):
+    """omniattn and SDPA math give the same output and q / k / v gradients on the CPU."""
+    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    results = []
+    for provider in ("omniattn", "sdpa-math"):
+        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
+    for ours, sdpa in zip(*results):
+        torch.testing.assert_close(ours, sdpa)
+
+
 def _brute_force_pairs(blocks: torch.Tensor, block_size: int, seqlen_q: int, seqlen_k: int) -> int:
     """Visible (query, key) elements of a (1, 1, nQ, nK) block picture, one element at a time."""
     return sum(bool(blocks[0, 0, i // block_size, j // block_size])
@@ -208,13 +219,7 @@ def test_window_providers_agree(reference_path):
     extra = bench.ExtraInputs(workload, "cpu")
     assert extra.sdpa_window_mask.shape == (1, 1, 64, 64)
     assert extra.sdpa_window_mask.sum().item() == bench.visible_pairs(64, 64, False, (9, 4))
-    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
-    results = []
-    for provider in ("omniattn", "sdpa-math"):
-        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
-        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
-    for ours, sdpa in zip(*results):
-        torch.testing.assert_close(ours, sdpa)
+    _assert_providers_agree(workload, extra)
     row = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
                           device="cpu")[0]
     assert row["window"] == (9, 4)
@@ -241,13 +246,7 @@ def test_varlen_workload_inputs_flops_and_providers(reference_path, causal):
         whole = torch.ones_like(block)
         assert torch.equal(block, whole.tril() if causal else whole)
     assert mask.sum() == sum(bench.visible_pairs(n, n, causal) for n in lengths.tolist())
-    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
-    results = []
-    for provider in ("omniattn", "sdpa-math"):
-        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
-        results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
-    for ours, sdpa in zip(*results):
-        torch.testing.assert_close(ours, sdpa)
+    _assert_providers_agree(workload, extra)
     [row] = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
                             device="cpu")
     tile = bench.forward_config(16, torch.float32, masked=causal)

@@ -34,7 +34,7 @@ from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _flat_rows, _load_tile, _scatter_rows,
                          _tile_at, by_tma, flat_launch, gluon_candidate, hand_over, handed,
-                         producer_tiles, tensor_descriptor)
+                         packed_bounds, producer_tiles, tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
@@ -706,11 +706,7 @@ def _bwd_hopper_kernel(
     q_start = off_b * seqlen_q
     k_start = off_b * seqlen_k
     if PACKED:
-        # sequence off_b: rows [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise
-        q_start = gl.load(CuSeqlensQ + off_b)
-        seqlen_q = gl.load(CuSeqlensQ + off_b + 1) - q_start
-        k_start = gl.load(CuSeqlensK + off_b)
-        seqlen_k = gl.load(CuSeqlensK + off_b + 1) - k_start
+        q_start, seqlen_q, k_start, seqlen_k = packed_bounds(CuSeqlensQ, CuSeqlensK, off_b)
         diag_offset = seqlen_k - seqlen_q
         if start_n >= seqlen_k:  # the grid covers the longest sequence
             return

@@ -71,6 +71,16 @@ def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr):
 
 
 @gluon.jit
+def packed_bounds(CuSeqlensQ, CuSeqlensK, off_b):
+    """(first query row, Sq, first key row, Sk) of packed sequence off_b: its rows
+    [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise."""
+    q_start = gl.load(CuSeqlensQ + off_b)
+    k_start = gl.load(CuSeqlensK + off_b)
+    return (q_start, gl.load(CuSeqlensQ + off_b + 1) - q_start, k_start,
+            gl.load(CuSeqlensK + off_b + 1) - k_start)
+
+
+@gluon.jit
 def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
     """Key tile of a program's step: explicit schedules walk the PARTIAL list, then the FULL
     one; implicit ones tiles 0, 1, ..."""
@@ -603,17 +613,13 @@ def _fwd_hopper_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
-    # the batch's first rows in the flat views (FLAT)
+    # the batch's first rows in the flat views (FLAT); packed: the sequence's, also of q / out /
+    # lse
     q_start = off_b * seqlen_q
     k_start = off_b * seqlen_k
     if PACKED:
-        # sequence off_b: rows [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise
-        first_q = gl.load(CuSeqlensQ + off_b)
-        seqlen_q = gl.load(CuSeqlensQ + off_b + 1) - first_q
-        k_start = gl.load(CuSeqlensK + off_b)
-        seqlen_k = gl.load(CuSeqlensK + off_b + 1) - k_start
+        q_start, seqlen_q, k_start, seqlen_k = packed_bounds(CuSeqlensQ, CuSeqlensK, off_b)
         diag_offset = seqlen_k - seqlen_q
-        q_start = first_q
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
     if EXPLICIT:
@@ -643,8 +649,8 @@ def _fwd_hopper_kernel(
     o_rows = Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
     lse_rows_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
     if PACKED:
-        o_rows += first_q.to(gl.int64) * stride_om
-        lse_rows_base += first_q
+        o_rows += q_start.to(gl.int64) * stride_om
+        lse_rows_base += q_start
     # int64: batch / head / row offsets of a (B, H, Sq, Sk) mask pass 2**31 elements
     mask_rows = Mask + off_b.to(gl.int64) * stride_mb \
         + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
