@@ -400,9 +400,7 @@ class ExtraInputs:
         (and causal inside it if the workload is), materialised (256 MB at 16k)."""
         docs = self.document_ids
         mask = docs[:, None] == docs[None, :]
-        if self.workload.causal:
-            mask &= torch.ones_like(mask).tril()
-        return mask[None, None]
+        return (mask.tril() if self.workload.causal else mask)[None, None]
 
     @functools.cached_property
     def flex_block_mask(self):

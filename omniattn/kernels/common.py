@@ -71,14 +71,16 @@ def row_key_end(row_lens, rows, seqlen_q, seqlen_k, HAS_ROW_LENS: tl.constexpr):
 @triton.jit
 def sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """(first query row, Sq, first key row, Sk) of batch off_b: packed sequences read their
-    bounds from cu_seqlens, padded batches start at row 0 with the launch's Sq, Sk."""
-    first_q = tl.zeros([], tl.int32)
-    first_k = tl.zeros([], tl.int32)
+    bounds from cu_seqlens, padded batches start at row 0 with the launch's Sq, Sk. The Gluon
+    kernels call it with VARLEN only (the zeros below need a layout there)."""
     if VARLEN:
         first_q = tl.load(CuSeqlensQ + off_b)
         seqlen_q = tl.load(CuSeqlensQ + off_b + 1) - first_q
         first_k = tl.load(CuSeqlensK + off_b)
         seqlen_k = tl.load(CuSeqlensK + off_b + 1) - first_k
+    else:
+        first_q = tl.zeros([], tl.int32)
+        first_k = tl.zeros([], tl.int32)
     return first_q, seqlen_q, first_k, seqlen_k
 
 

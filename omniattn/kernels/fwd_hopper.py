@@ -24,7 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
+from .common import (clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows,
+                     sequence_bounds)
 from .configs import (cdiv, compute_capability, gluon_enabled, hopper_backward_config,
                       hopper_forward_config, interpreting)
 from .elementwise import Elementwise
@@ -68,16 +69,6 @@ def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr):
         smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
                                          gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     return smem
-
-
-@gluon.jit
-def packed_bounds(CuSeqlensQ, CuSeqlensK, off_b):
-    """(first query row, Sq, first key row, Sk) of packed sequence off_b: its rows
-    [CuSeqlensQ[b], CuSeqlensQ[b + 1]), keys likewise."""
-    q_start = gl.load(CuSeqlensQ + off_b)
-    k_start = gl.load(CuSeqlensK + off_b)
-    return (q_start, gl.load(CuSeqlensQ + off_b + 1) - q_start, k_start,
-            gl.load(CuSeqlensK + off_b + 1) - k_start)
 
 
 @gluon.jit
@@ -618,7 +609,8 @@ def _fwd_hopper_kernel(
     q_start = off_b * seqlen_q
     k_start = off_b * seqlen_k
     if PACKED:
-        q_start, seqlen_q, k_start, seqlen_k = packed_bounds(CuSeqlensQ, CuSeqlensK, off_b)
+        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
+                                                               seqlen_q, seqlen_k, True)
         diag_offset = seqlen_k - seqlen_q
         if start_m >= seqlen_q:  # the grid covers the longest sequence
             return
