@@ -315,6 +315,18 @@ def test_gluon_varlen(gluon_calls, case):
     assert gluon_calls == (["fwd", "bwd"] if case[4] == 128 else ["fwd"]), gluon_calls
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_many_sequences(gluon_calls, causal):
+    """Many sequences (300) of up to 2 tiles, empty ones among them (Sq = 0, Sk = 0, both): the
+    grid's programs past a sequence's tiles do nothing, the others read their own bounds."""
+    lengths_q = [(i * 37) % 160 for i in range(300)]
+    lengths_k = [(i * 53) % 190 for i in range(300)]
+    run_varlen(lengths_q, lengths_k, 2, 1, 128, torch.bfloat16, causal, None, with_row_lens=False)
+    assert gluon_calls == ["fwd", "bwd"], gluon_calls
+
+
 def test_varlen_without_max_seqlen_and_unchecked():
     """max_seqlen_* are computed when omitted; check_inputs=False gives the same result."""
     (q, k, v), cu_q, cu_k = packed_sequences([7, 20], [12, 3], 2, 1, 32, torch.float16, seed=2)
