@@ -887,9 +887,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             # summed over keys by atomics across key tiles: fp32 zeros
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
-        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks, biases or packing
+        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks or biases
             hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv, row_lens,
-                                 row_order)
+                                 row_order, packed)
         else:
             hopper_backward(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv,
                             schedule.dkdv if schedule is not None else None, mask, bias,

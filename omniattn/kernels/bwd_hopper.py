@@ -856,7 +856,7 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             bias: Elementwise | None = None, bias_grad: bool = False,
                             packed: PackedSequences | None = None) -> bool:
     """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
-    `bwd_hopper_wide`'s, which takes no lists, masks, biases or packed sequences): a
+    `bwd_hopper_wide`'s, which takes no lists, masks or biases): a
     `gluon_candidate` (device, dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim
     it has tiles for, q / k / v / dO aligned for TMA, transposed lists (if any: an element
     mask's or a block mask's) at its tiles, and a bias gradient it writes: any but that of a
@@ -868,7 +868,6 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             or not gluon_candidate(q, args, backward=True):
         return False
     if packed is not None and (schedule is not None or bias is not None
-                               or hopper_backward_splits_head_dim(q.shape[-1])
                                or not all(_flat_rows(t) for t in (q, k, v, dout))):
         return False
     if hopper_backward_splits_head_dim(q.shape[-1]) \

@@ -1,6 +1,7 @@
 """Hopper backward in Gluon for head dim 256: dense, causal, windows, GQA, per-row key lengths
-alone (rows in length order, as in bwd_hopper.py); no lists, masks or biases: those calls stay
-in bwd.py.
+alone (rows in length order, as in bwd_hopper.py), packed sequences (tiles from each sequence's
+first row, as there; dK / dV are plain stores in any case); no lists, masks or biases: those
+calls stay in bwd.py.
 
 At D256 one consumer cannot hold dK and dV of 64 keys (2 x 64 x 256 fp32: 256 registers), so
 the two consumer warpgroups split the work two ways. A program owns 64 keys of one (batch, KV
@@ -21,24 +22,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
                          stats_descriptor)
-from .common import implicit_q_range
+from .common import implicit_q_range, sequence_bounds
 from .configs import cdiv, hopper_backward_config
 from .fwd_hopper import _descriptor, flat_launch
 from .launch import launch
 from .schedule import KernelArgs
-from .sequences import row_lens_operands, rows_to_callers
+from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
+                        row_strides, rows_to_callers)
 
 BOX = 64  # rows and columns of every box (64 bf16 columns: a 128-byte swizzle's row)
 
 
 @gluon.jit
-def _copy_boxes(desc, off_b, row, head, seqlen, ready, dst, first,
+def _copy_boxes(desc, off_b, row, head, seq_start, ready, dst, first,
                 HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """The [64, 256] tile at (batch, first row, head) into boxes dst[first .. first + 3], one
-    TMA copy per 64 columns, arriving on `ready` (whose expected bytes the caller set)."""
+    TMA copy per 64 columns, arriving on `ready` (whose expected bytes the caller set). FLAT:
+    the batch's rows start at seq_start of the 2-d view."""
     for k in gl.static_range(4):
         if FLAT:
-            tma.async_copy_global_to_shared(desc, [off_b * seqlen + row,
+            tma.async_copy_global_to_shared(desc, [seq_start + row,
                                                    head * HEAD_DIM + k * 64], ready,
                                             dst.index(first + k))
         else:
@@ -49,17 +52,17 @@ def _copy_boxes(desc, off_b, row, head, seqlen, ready, dst, first,
 @gluon.jit
 def _load(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
           lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk, num_heads,
-          delta_row0, start_n, first_m, end_m, group, seqlen_q, seqlen_k,
+          delta_row0, start_n, first_m, end_m, group, q_start, k_start,
           BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """Producer: the program's K and V once, then q with its lse row and dO with its delta row
     of each query tile of each head of the group into buffer i % 2 (boxes 4b .. 4b + 3) once
     both consumers released the tile that used it before."""
     box_bytes: gl.constexpr = k_desc.block_type.nbytes
     mbarrier.expect(kv_ready.index(0), 4 * box_bytes)
-    _copy_boxes(k_desc, off_b, start_n, off_hk, seqlen_k, kv_ready.index(0), k_smem, 0, HEAD_DIM,
+    _copy_boxes(k_desc, off_b, start_n, off_hk, k_start, kv_ready.index(0), k_smem, 0, HEAD_DIM,
                 FLAT)
     mbarrier.expect(kv_ready.index(1), 4 * box_bytes)
-    _copy_boxes(v_desc, off_b, start_n, off_hk, seqlen_k, kv_ready.index(1), v_smem, 0, HEAD_DIM,
+    _copy_boxes(v_desc, off_b, start_n, off_hk, k_start, kv_ready.index(1), v_smem, 0, HEAD_DIM,
                 FLAT)
     i = 0
     for h in range(group):
@@ -73,12 +76,12 @@ def _load(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, 
             mbarrier.expect(q_ready.index(buf), 4 * box_bytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
                                             lse_smem.index(buf))
-            _copy_boxes(q_desc, off_b, row, head, seqlen_q, q_ready.index(buf), q_smem, 4 * buf,
+            _copy_boxes(q_desc, off_b, row, head, q_start, q_ready.index(buf), q_smem, 4 * buf,
                         HEAD_DIM, FLAT)
             mbarrier.expect(do_ready.index(buf), 4 * box_bytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
                                             do_ready.index(buf), delta_smem.index(buf))
-            _copy_boxes(do_desc, off_b, row, head, seqlen_q, do_ready.index(buf), do_smem,
+            _copy_boxes(do_desc, off_b, row, head, q_start, do_ready.index(buf), do_smem,
                         4 * buf, HEAD_DIM, FLAT)
             i += 1
 
@@ -109,7 +112,7 @@ def _scores(a_smem, b_smem, a_first, key_rows, init, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _reduce_box(values, box, dq_desc, off_b, row, col, head, seqlen_q, HEAD_DIM: gl.constexpr,
+def _reduce_box(values, box, dq_desc, off_b, row, col, head, q_start, HEAD_DIM: gl.constexpr,
                 FLAT: gl.constexpr):
     """values [64, 32] fp32 into the 8 KB box `box` (a dead bf16 box seen as fp32 with the same
     128-byte swizzle), then a TMA reduce-add of it at (row, head-dim column col)."""
@@ -117,27 +120,27 @@ def _reduce_box(values, box, dq_desc, off_b, row, col, head, seqlen_q, HEAD_DIM:
     target.reshape([64, 32]).store(values)
     fence_async_shared()
     if FLAT:
-        _async_reduce_add(dq_desc, [off_b * seqlen_q + row, head * HEAD_DIM + col], target)
+        _async_reduce_add(dq_desc, [q_start + row, head * HEAD_DIM + col], target)
     else:
         _async_reduce_add(dq_desc, [off_b, row, head, col], target)
 
 
 @gluon.jit
-def _add_dq_half(dq, q_smem, do_smem, box, dq_desc, off_b, row, col, head, seqlen_q,
+def _add_dq_half(dq, q_smem, do_smem, box, dq_desc, off_b, row, col, head, q_start,
                  softmax_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                  FLAT: gl.constexpr):
     """dq [BM, 64] (head-dim columns col .. col + 63) reduce-added as two fp32 boxes of 32
     columns staged in the tile's dead q box and dO box `box`."""
     lo, hi = gl.split((dq * softmax_scale).reshape([BLOCK_M, 2, 32]).permute((0, 2, 1)))
-    _reduce_box(lo, q_smem.index(box), dq_desc, off_b, row, col, head, seqlen_q, HEAD_DIM, FLAT)
-    _reduce_box(hi, do_smem.index(box), dq_desc, off_b, row, col + 32, head, seqlen_q, HEAD_DIM,
+    _reduce_box(lo, q_smem.index(box), dq_desc, off_b, row, col, head, q_start, HEAD_DIM, FLAT)
+    _reduce_box(hi, do_smem.index(box), dq_desc, off_b, row, col + 32, head, q_start, HEAD_DIM,
                 FLAT)
 
 
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                 ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-                keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                keys, off_b, head, q_start, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
                 softmax_scale, lens_rows, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
                 CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -203,14 +206,14 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
                            use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         _add_dq_half(dq, q_smem, do_smem, 4 * buf + box0 + half, dq_desc, off_b, start_m,
-                     col0 + half * 64, head, seqlen_q, softmax_scale, BLOCK_M, HEAD_DIM, FLAT)
+                     col0 + half * 64, head, q_start, softmax_scale, BLOCK_M, HEAD_DIM, FLAT)
     return dv0, dv1, dk0, dk1
 
 
 @gluon.jit
 def _query_tiles(first, end, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                  ds_smem, q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1,
-                 keys, off_b, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                 keys, off_b, head, q_start, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
                  softmax_scale, lens_rows, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
                  CONSUMER: gl.constexpr,
@@ -222,9 +225,9 @@ def _query_tiles(first, end, i, q_smem, do_smem, lse_smem, delta_smem, k_smem, v
         dv0, dv1, dk0, dk1 = _query_tile(
             i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
             q_ready, do_ready, qdo_free, pds_ready, dq_desc, dv0, dv1, dk0, dk1, keys, off_b,
-            head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, lens_rows,
-            MASKED, HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT,
-            s_layout, acc_layout)
+            head, q_start, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
+            lens_rows, MASKED, HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M,
+            HEAD_DIM, FLAT, s_layout, acc_layout)
         i += 1
     return dv0, dv1, dk0, dk1, i
 
@@ -241,8 +244,8 @@ def _store_columns(acc, base, keys, stride_n, stride_d, col, seqlen_k, acc_layou
 def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem, ds_smem,
                    kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK, DV, dk_strides,
                    dv_strides, off_b, off_hk, start_n, first_m, first_full, last_full, end_m,
-                   group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
-                   lens_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   group, q_start, dk_row0, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                   softmax_scale, lens_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
                    HAS_RIGHT: gl.constexpr, EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: S / dP for keys [start_n + 32c, + 32), dK / dV for head-dim columns
@@ -271,7 +274,8 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                 dv0, dv1, dk0, dk1, i = _query_tiles(
                     run_ends[run], run_ends[run + 1], i, q_smem, do_smem, lse_smem, delta_smem,
                     k_smem, v_smem, p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready,
-                    dq_desc, dv0, dv1, dk0, dk1, keys, off_b, head, seqlen_q, seqlen_k, diag,
+                    dq_desc, dv0, dv1, dk0, dk1, keys, off_b, head, q_start, seqlen_q, seqlen_k,
+                    diag,
                     diag_left, qk_scale_log2, softmax_scale, lens_rows, run != 1, HAS_LEFT,
                     HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
                     acc_layout)
@@ -279,8 +283,10 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     all_keys = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     dk_b, dk_n, dk_h, dk_d = dk_strides
     dv_b, dv_n, dv_h, dv_d = dv_strides
-    dk_base = DK + off_b.to(gl.int64) * dk_b + off_hk.to(gl.int64) * dk_h
-    dv_base = DV + off_b.to(gl.int64) * dv_b + off_hk.to(gl.int64) * dv_h
+    dk_base = DK + off_b.to(gl.int64) * dk_b + off_hk.to(gl.int64) * dk_h \
+        + dk_row0.to(gl.int64) * dk_n
+    dv_base = DV + off_b.to(gl.int64) * dv_b + off_hk.to(gl.int64) * dv_h \
+        + dk_row0.to(gl.int64) * dv_n
     col0 = CONSUMER * 128
     _store_columns(dk0 * softmax_scale, dk_base, all_keys, dk_n, dk_d, col0, seqlen_k,
                    acc_layout)
@@ -295,15 +301,26 @@ def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV, stride_dkb, stride_dkn,
     stride_dkh, stride_dkd, stride_dvb, stride_dvn, stride_dvh, stride_dvd, seqlen_q, seqlen_k,
     num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
-    softmax_scale, num_pairs, pairs_per_group, RowLens, stride_rlb, HAS_LEFT: gl.constexpr,
-    HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr, EVEN_N: gl.constexpr,
-    ROW_ORDER: gl.constexpr,
+    softmax_scale, num_pairs, pairs_per_group, RowLens, stride_rlb, CuSeqlensQ, CuSeqlensK,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    EVEN_N: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
                                              BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
+    # the batch's first rows in the flat views (FLAT)
+    q_start = off_b * seqlen_q
+    k_start = off_b * seqlen_k
+    dk_row0 = off_b * 0  # of the batch's rows of dK / dV (packed: batch strides 0)
+    if PACKED:
+        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
+                                                               seqlen_q, seqlen_k, True)
+        diag_offset = seqlen_k - seqlen_q
+        dk_row0 = k_start
+        if start_n >= seqlen_k:  # the grid covers the longest sequence
+            return
     diag = diag_offset + window_right  # row r sees keys up to r + diag (HAS_RIGHT)
     diag_left = diag_offset - window_left  # and from r + diag_left (HAS_LEFT)
     # query tiles [first_m, end_m) see the program's keys; [first_full, last_full) all of them
@@ -353,19 +370,21 @@ def _bwd_wide_kernel(
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
-                          first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
+                          first_full, last_full, end_m, group, q_start, dk_row0, seqlen_q,
+                          seqlen_k, diag,
                           diag_left, qk_scale_log2, softmax_scale, lens_rows, 0, HAS_LEFT,
                           HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
-                          first_full, last_full, end_m, group, seqlen_q, seqlen_k, diag,
+                          first_full, last_full, end_m, group, q_start, dk_row0, seqlen_q,
+                          seqlen_k, diag,
                           diag_left, qk_scale_log2, softmax_scale, lens_rows, 1, HAS_LEFT,
                           HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_load, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                  num_heads_k * group, delta_row0, start_n, first_m, end_m, group,
-                 seqlen_q, seqlen_k, BLOCK_M, HEAD_DIM, FLAT)),
+                 q_start, k_start, BLOCK_M, HEAD_DIM, FLAT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -373,16 +392,19 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, row_stats: torch.Tensor, dq_sum: torch.Tensor,
                          args: KernelArgs, dq: torch.Tensor, dk: torch.Tensor,
                          dv: torch.Tensor, row_lens: torch.Tensor | None = None,
-                         row_order: torch.Tensor | None = None) -> None:
+                         row_order: torch.Tensor | None = None,
+                         packed: PackedSequences | None = None) -> None:
     """As `bwd_hopper.hopper_backward` for head dim 256 without lists, masks or biases: dq (like
     q), dk / dv (like k / v, any strides, summed over each KV group) written in place; row_stats
     from `backward_row_stats` at the config's block_m, filled in; dQ summed in dq_sum (fp32
-    like q, zeroed); row_lens / row_order as there. The caller checked
+    like q, zeroed); row_lens / row_order and packed as there. The caller checked
     `hopper_backward_applies`."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    num_heads, head_dim = q.shape[-2:]
+    num_heads_k = k.shape[-2]
     cfg = hopper_backward_config(head_dim)  # 64 x 64 tiles: the kernel's boxes
-    flat = flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k, v, dout, dq_sum)
+    flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
+                                             v, dout, dq_sum)
     # rows in length order: key tile 0s first, as in hopper_backward. H100, B2 H16 4k, uniform
     # lengths, backward kernel ms (2026-11-24): 2.364 (bwd.py's 3.43; dense 3.694)
     longest_first = args.later_rows_see_more or row_order is not None
@@ -393,12 +415,13 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     launch(_bwd_wide_kernel, grid,
         *(_descriptor(t, BOX, flat, BOX) for t in (q, k, v, dout)),
         _descriptor(dq_sum, BOX, flat, 32), stats_descriptor(row_stats, cfg.block_m), dk, dv,
-        *dk.stride(), *dv.stride(), seqlen_q, seqlen_k, num_heads_k, num_heads // num_heads_k,
-        batch * num_heads, seqlen_k - seqlen_q, args.window_left, args.window_right,
-        args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group,
-        *row_lens_operands(row_lens, q.device)[:2], HAS_LEFT=args.has_left,
+        *row_strides(dk), dk.stride(-1), *row_strides(dv), dv.stride(-1), seqlen_q, seqlen_k,
+        num_heads_k, num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q,
+        args.window_left, args.window_right, args.qk_scale_log2, args.softmax_scale, num_pairs,
+        pairs_per_group, *row_lens_operands(row_lens, q.device)[:2],
+        *packed_operands(packed, q.device), HAS_LEFT=args.has_left,
         HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first, ROW_ORDER=row_order is not None,
-        EVEN_N=seqlen_k % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+        EVEN_N=packed is None and seqlen_k % cfg.block_n == 0, PACKED=packed is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, FLAT=flat,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
     rows_to_callers(dq_sum, row_order, dq)
