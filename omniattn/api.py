@@ -413,13 +413,19 @@ def attention(
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
                           check_inputs, graph_parts)
 
-    if block_mask is None and seqlens_k_per_row is None and cu_seqlens_q is None \
-            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None \
+    # packed sequences whose host work reads no value of cu_seqlens (unchecked, maxima given):
+    # their offsets are inputs of the plan like q's
+    plain_layout = cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
+        and max_seqlen_k is None
+    unread_offsets = check_inputs is False and max_seqlen_q is not None \
+        and max_seqlen_k is not None
+    if block_mask is None and seqlens_k_per_row is None and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
-        inputs = (q, k, v, attn_mask, attn_bias)
+        inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
         graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
-                                            deterministic, return_lse, check_inputs))
+                                            deterministic, return_lse, check_inputs,
+                                            max_seqlen_q, max_seqlen_k))
         if key is not None:
             if not graph:
                 return call_plans.run(key, inputs, call)

@@ -56,7 +56,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0,
                            per_row_seqlens_k=None):
-    """Packed sequences; returns (out (total_q, H, D), softmax_lse (H, total_q) float32)."""
+    """Packed sequences; returns (out (total_q, H, D), softmax_lse (H, total_q) float32). As in
+    flash_attn, the values of cu_seqlens_* (and max_seqlen_*, at least the longest sequence) are
+    the caller's to get right: nothing reads them on the host, so a call never syncs with the
+    device (`attention(..., check_inputs=False)`)."""
     _unsupported(seqused_q=(seqused_q, None), qv=(qv, None),
                  q_descale=(q_descale, None), k_descale=(k_descale, None),
                  v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
@@ -68,7 +71,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      seqlens_k_per_row=per_row_seqlens_k, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, deterministic=bool(deterministic),
-                     return_lse=True)
+                     return_lse=True, check_inputs=False)
 
 
 def _used_keys_per_row(seqused_k, cu_seqlens_q, total_q: int, causal, window_size,
