@@ -395,7 +395,8 @@ def attention(
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
             the host). Pass False under CUDA-graph capture; out-of-range values then cannot
-            fault (lengths clamp to [0, Sk]) but give unspecified results.
+            fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
+            call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
 
     Returns:
         out like q, in q's dtype (0 on rows that see no key), or (out, lse).

@@ -251,7 +251,9 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
     """Consumer warpgroup: S / dP for keys [start_n + 32c, + 32), dK / dV for head-dim columns
     [128c, + 128) of all 64 keys, over the query tiles of every head of the group: [first_m,
     first_full) and [last_full, end_m) masked (ROW_ORDER: by the rows' lengths too),
-    [first_full, last_full) whole."""
+    [first_full, last_full) whole. q_start: the batch's first row of the flat views (dQ's
+    reduce-adds); dk_row0: its first key row of dK / dV past the batch stride (packed: the
+    sequence's)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -313,7 +315,7 @@ def _bwd_wide_kernel(
     # the batch's first rows in the flat views (FLAT)
     q_start = off_b * seqlen_q
     k_start = off_b * seqlen_k
-    dk_row0 = off_b * 0  # of the batch's rows of dK / dV (packed: batch strides 0)
+    dk_row0 = off_b * 0  # dK / dV rows past the batch stride (packed: it is 0)
     if PACKED:
         q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
                                                                seqlen_q, seqlen_k, True)
