@@ -277,10 +277,9 @@ def _key_gradients(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem
                     run_ends[run], run_ends[run + 1], i, q_smem, do_smem, lse_smem, delta_smem,
                     k_smem, v_smem, p_smem, ds_smem, q_ready, do_ready, qdo_free, pds_ready,
                     dq_desc, dv0, dv1, dk0, dk1, keys, off_b, head, q_start, seqlen_q, seqlen_k,
-                    diag,
-                    diag_left, qk_scale_log2, softmax_scale, lens_rows, run != 1, HAS_LEFT,
-                    HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT, s_layout,
-                    acc_layout)
+                    diag, diag_left, qk_scale_log2, softmax_scale, lens_rows, run != 1,
+                    HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, CONSUMER, BLOCK_M, HEAD_DIM, FLAT,
+                    s_layout, acc_layout)
     tma.store_wait(0)
     all_keys = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     dk_b, dk_n, dk_h, dk_d = dk_strides
@@ -315,7 +314,8 @@ def _bwd_wide_kernel(
     # the batch's first rows in the flat views (FLAT)
     q_start = off_b * seqlen_q
     k_start = off_b * seqlen_k
-    dk_row0 = off_b * 0  # dK / dV rows past the batch stride (packed: it is 0)
+    # dK / dV's first row past the batch stride: 0; packed (batch stride 0): the sequence's
+    dk_row0 = off_b * 0
     if PACKED:
         q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
                                                                seqlen_q, seqlen_k, True)
@@ -373,16 +373,14 @@ def _bwd_wide_kernel(
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
                           first_full, last_full, end_m, group, q_start, dk_row0, seqlen_q,
-                          seqlen_k, diag,
-                          diag_left, qk_scale_log2, softmax_scale, lens_rows, 0, HAS_LEFT,
-                          HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
+                          seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, lens_rows,
+                          0, HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_key_gradients, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, p_smem,
                           ds_smem, kv_ready, q_ready, do_ready, qdo_free, pds_ready, dq_desc, DK,
                           DV, dk_strides, dv_strides, off_b, off_hk, start_n, first_m,
                           first_full, last_full, end_m, group, q_start, dk_row0, seqlen_q,
-                          seqlen_k, diag,
-                          diag_left, qk_scale_log2, softmax_scale, lens_rows, 1, HAS_LEFT,
-                          HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
+                          seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, lens_rows,
+                          1, HAS_LEFT, HAS_RIGHT, EVEN_N, ROW_ORDER, BLOCK_M, HEAD_DIM, FLAT)),
         (_load, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
                  lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, off_hk,
                  num_heads_k * group, delta_row0, start_n, first_m, end_m, group,
