@@ -221,13 +221,14 @@ def _window_suite(cuda: bool) -> list[Workload]:
 
 
 def _varlen_suite(cuda: bool) -> list[Workload]:
-    if cuda:
-        total, heads, head_dim, dtype = 16384, 16, 128, torch.bfloat16
+    if cuda:  # D256 named apart: both passes run their own Gluon kernels there
+        total, heads, head_dims, dtype = 16384, 16, (128, 256), torch.bfloat16
     else:
-        total, heads, head_dim, dtype = 256, 2, 64, torch.float32
-    return [Workload(f"docs-{documents}{'-causal' if causal else ''}-s{total}", 1, total, total,
-                     heads, heads, head_dim, causal, dtype, documents=documents)
-            for documents in DOCUMENTS for causal in (False, True)]
+        total, heads, head_dims, dtype = 256, 2, (64,), torch.float32
+    return [Workload(f"docs-{documents}{'-causal' if causal else ''}"
+                     f"{'-d256' if head_dim == 256 else ''}-s{total}", 1, total, total, heads,
+                     heads, head_dim, causal, dtype, documents=documents)
+            for head_dim in head_dims for documents in DOCUMENTS for causal in (False, True)]
 
 
 _SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
@@ -248,7 +249,7 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     of ROW_LENGTHS: uniform in [1, Sk] per row, and i + 1 (causal's pattern: whole tiles skipped);
     window: 8k B2 H16 under a sliding window (1024, 0) at D128, GQA 16/4 and D256, and a local
     one (512, 512) at D128;
-    varlen: 16k tokens H16 D128 packed from documents of 128-4096 or 32-1024 tokens
+    varlen: 16k tokens H16 D128 and D256 packed from documents of 128-4096 or 32-1024 tokens
     (cu_seqlens), each attended alone, dense or causal.
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
     numbers say nothing about the GPU kernels)."""
