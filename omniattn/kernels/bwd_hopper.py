@@ -28,14 +28,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton._C.libtriton import ir
 
-from .common import (implicit_q_range, load_pair_tile, schedule_rows, sequence_bounds,
-                     store_pair_tile)
+from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
 from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_dq_trails, hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _flat_rows, _load_tile, _scatter_rows,
-                         _tile_at, by_tma, flat_launch, gluon_candidate, hand_over, handed,
-                         producer_tiles, tensor_descriptor)
+                         _tile_at, by_tma, flat_launch, flat_view_bounds, gluon_candidate,
+                         hand_over, handed, producer_tiles, tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
@@ -703,15 +702,10 @@ def _bwd_hopper_kernel(
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
                                              BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
-    # the batch's first rows in the flat views (FLAT)
-    q_start = off_b * seqlen_q
-    k_start = off_b * seqlen_k
-    if PACKED:
-        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
-                                                               seqlen_q, seqlen_k, True)
-        diag_offset = seqlen_k - seqlen_q
-        if start_n >= seqlen_k:  # the grid covers the longest sequence
-            return
+    q_start, seqlen_q, k_start, seqlen_k, diag_offset = flat_view_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, PACKED)
+    if PACKED and start_n >= seqlen_k:  # the grid covers the longest sequence
+        return
     dk_rows = DK + off_hk.to(gl.int64) * stride_dkh + k_start.to(gl.int64) * stride_dkm
     dv_rows = DV + off_hk.to(gl.int64) * stride_dvh + k_start.to(gl.int64) * stride_dvm
     num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)

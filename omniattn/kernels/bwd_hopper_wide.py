@@ -22,9 +22,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
                          stats_descriptor)
-from .common import implicit_q_range, sequence_bounds
+from .common import implicit_q_range
 from .configs import cdiv, hopper_backward_config
-from .fwd_hopper import _descriptor, flat_launch
+from .fwd_hopper import _descriptor, flat_launch, flat_view_bounds
 from .launch import launch
 from .schedule import KernelArgs
 from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
@@ -311,15 +311,11 @@ def _bwd_wide_kernel(
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
                                              BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
-    # the batch's first rows in the flat views (FLAT)
-    q_start = off_b * seqlen_q
-    k_start = off_b * seqlen_k
+    q_start, seqlen_q, k_start, seqlen_k, diag_offset = flat_view_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, PACKED)
     # dK / dV's first row past the batch stride: 0; packed (batch stride 0): the sequence's
     dk_row0 = off_b * 0
     if PACKED:
-        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
-                                                               seqlen_q, seqlen_k, True)
-        diag_offset = seqlen_k - seqlen_q
         dk_row0 = k_start
         if start_n >= seqlen_k:  # the grid covers the longest sequence
             return

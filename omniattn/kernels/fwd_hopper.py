@@ -86,6 +86,22 @@ def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
 
 
 @gluon.jit
+def flat_view_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset,
+                     PACKED: gl.constexpr):
+    """(first query row, Sq, first key row, Sk, diag offset) of batch off_b in the flat views:
+    a padded batch's rows from off_b * S with the launch's lengths; packed sequences' from
+    cu_seqlens (`common.sequence_bounds`), each sequence's diagonal at its own bottom right."""
+    if PACKED:
+        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
+                                                               seqlen_q, seqlen_k, True)
+        diag_offset = seqlen_k - seqlen_q
+    else:
+        q_start = off_b * seqlen_q
+        k_start = off_b * seqlen_k
+    return q_start, seqlen_q, k_start, seqlen_k, diag_offset
+
+
+@gluon.jit
 def hand_over(slot, value):
     """Producer (one warp): value into a one-int32 shared-memory slot, stored before the barrier
     arrival that tells the consumers the step's tiles are there (`handed` reads it after that
@@ -604,16 +620,11 @@ def _fwd_hopper_kernel(
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
     start_m = tile_m * (2 * BLOCK_M)
-    # the batch's first rows in the flat views (FLAT); packed: the sequence's, also of q / out /
-    # lse
-    q_start = off_b * seqlen_q
-    k_start = off_b * seqlen_k
-    if PACKED:
-        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
-                                                               seqlen_q, seqlen_k, True)
-        diag_offset = seqlen_k - seqlen_q
-        if start_m >= seqlen_q:  # the grid covers the longest sequence
-            return
+    # packed: q_start is the sequence's first row of out / lse too
+    q_start, seqlen_q, k_start, seqlen_k, diag_offset = flat_view_bounds(
+        CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, PACKED)
+    if PACKED and start_m >= seqlen_q:  # the grid covers the longest sequence
+        return
     if EXPLICIT:
         part_num, part_list, full_num, full_list = schedule_rows(
             KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
