@@ -6,9 +6,9 @@ the options. A plan records, on the second call of a signature, what the call di
 its allocations (empty or zeroed), its launches and the few torch operations a replay may repeat
 (copies, fills, sums, casts), each tensor located in an input, a tensor the call created or a
 tensor cached outside it. Later calls with the signature replay it: the allocations and
-operations, and each compiled kernel's launcher with the new pointers (H100 host, top-k mask +
-key bias forward, B1 S512 H2: 134-143 us per call against 342-392; causal D64 forward 52-62
-against 149-162; benchmarks/NOTES.md). The forward of a call that records a graph and its
+operations, and each launch with its arguments flattened once (`launch.FlatLaunch`) and the new
+pointers set (H100 host, top-k mask + key bias forward, B1 S512 H2: 134-143 us per call against
+342-392; causal D64 forward 52-62 against 149-162; benchmarks/NOTES.md). The forward of a call that records a graph and its
 backward are planned apart, each inside the autograd Function (autograd.py).
 
 A call is recorded under a TorchDispatchMode that lets through only allocations, views and those
@@ -123,17 +123,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-class _Base:
-    """The base of a rebuilt descriptor: all Triton's launcher reads of it is the pointer."""
-    __slots__ = ("pointer", "dtype")
-
-    def __init__(self, pointer: int, dtype: torch.dtype):
-        self.pointer, self.dtype = pointer, dtype
-
-    def data_ptr(self) -> int:
-        return self.pointer
-
-
 class _Unplannable(Exception):
     """Something of the recorded call a replay could not rebuild."""
 
@@ -183,21 +172,20 @@ class _Plan:
         return where, index, t.data_ptr() - owner.data_ptr()
 
     def _launch_step(self, compiled, grid, args, tail) -> tuple:
-        """(_LAUNCH, compiled, grid, fixed arguments, [(position, location)] of tensor
-        pointers, [(position, location of the base, (type, fields but the base, base dtype))]
-        of tensor descriptors, tail)."""
-        fixed, pointers, descriptors = list(args), [], []
+        """(_LAUNCH, the launch flattened, [(index in its values, location)] of tensor
+        pointers, [(index, location of the base, encoder)] of tensor descriptors)."""
+        try:
+            flat = launch_module.FlatLaunch(compiled, grid, args, tail)
+        except launch_module.Unflattenable as error:
+            raise _Unplannable(f"a launcher of type {error}") from None
+        pointers, descriptors = [], []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
-                pointers.append((position, self.locate(arg)))
-                fixed[position] = None
+                pointers.append((flat.index(position), self.locate(arg)))
             elif isinstance(arg, launch_module._DESCRIPTORS):
-                # its fields but the base: the plan keeps no tensor of the recorded call alive
-                fields = {name: value for name, value in vars(arg).items() if name != "base"}
-                descriptors.append((position, self.locate(arg.base),
-                                    (type(arg), fields, arg.base.dtype)))
-                fixed[position] = None
-        return (_LAUNCH, compiled, grid, fixed, pointers, descriptors, tail)
+                descriptors.append((flat.index(position), self.locate(arg.base),
+                                    flat.encoder(position)))
+        return (_LAUNCH, flat, pointers, descriptors)
 
     def _layout(self, value, outputs: bool = False):
         """How a replay rebuilds `value` (operation arguments, or the call's result): tensors
@@ -255,16 +243,13 @@ class _Plan:
 
 
 def _replay_launch(step: tuple, inputs: tuple, created: list, stream: int) -> None:
-    _, compiled, grid, fixed, pointers, descriptors, tail = step
-    args = list(fixed)
-    for position, location in pointers:
-        args[position] = _pointer(location, inputs, created)
-    for position, location, (descriptor_type, fields, dtype) in descriptors:
-        rebuilt = object.__new__(descriptor_type)
-        vars(rebuilt).update(fields)
-        rebuilt.base = _Base(_pointer(location, inputs, created), dtype)
-        args[position] = rebuilt
-    launch_module.run_compiled(compiled, grid, stream, args, tail)
+    _, flat, pointers, descriptors = step
+    values = flat.values.copy()
+    for index, location in pointers:
+        values[index] = _pointer(location, inputs, created)
+    for index, location, encode in descriptors:
+        values[index] = encode(_pointer(location, inputs, created))
+    flat.run(stream, values)
 
 
 def _pointer(location: tuple, inputs: tuple, created: list) -> int:

@@ -1,5 +1,6 @@
 """Call plans: a replayed call gives what the call itself gives, bit for bit, and only calls
 with the recorded signature replay."""
+import functools
 import gc
 import weakref
 
@@ -212,6 +213,38 @@ def test_replayed_packed_calls_match_the_calls(monkeypatch, head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_replays_encode_each_descriptor_for_its_own_pointers(monkeypatch):
+    """Replays alternating between three sets of inputs (other pointers each call) give each
+    call its own tensor maps: kept per pointer (fewer encodes), or encoded again each time when
+    one map per descriptor is kept; both match the calls without plans."""
+    from omniattn.kernels import launch as launch_module
+
+    encodes = []
+    encode = launch_module.make_tensordesc_arg
+    monkeypatch.setattr(launch_module, "make_tensordesc_arg",
+                        lambda *args: encodes.append(1) or encode(*args))
+    sets = [_inputs(256, 4, 4, 128)[:3] for _ in range(3)]
+    monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+    with torch.no_grad():
+        expected = [omniattn.attention(*qkv, causal=True) for qkv in sets]
+    monkeypatch.delenv("OMNIATTN_CALL_PLANS")
+    paths = _replays(monkeypatch)
+    counts = {}
+    for maps_kept in (64, 1):
+        monkeypatch.setattr(launch_module, "MAX_TENSOR_MAPS_PER_DESCRIPTOR", maps_kept)
+        call_plans.clear()
+        encodes.clear()
+        for call in range(12):
+            with torch.no_grad():
+                out = omniattn.attention(*sets[call % 3], causal=True)
+            assert torch.equal(out, expected[call % 3]), (maps_kept, call)
+        counts[maps_kept] = len(encodes)
+    assert paths == ["plan"] * 20
+    assert 0 < counts[64] < counts[1], counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_no_plans_under_launch_hooks_or_the_switch(monkeypatch):
     paths = _replays(monkeypatch)
     q, k, v, _ = _inputs(128, 2, 2, 64)
@@ -291,12 +324,24 @@ class _FakeKernel:
         self.launched = []
         kernel = self
 
+        def record(leading, *args):
+            kernel.launched.append([a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                    for a in args[leading:]])
+
+        class CudaLauncher:  # Triton's, for a kernel without descriptors
+            launch_cooperative_grid = launch_pdl = False
+            num_ctas = 1
+            global_scratch_size = profile_scratch_size = 0
+            # the launcher module's function (13 arguments before the kernel's), code-less as a
+            # compiled one is
+            launch = functools.partial(record, 13)
+
+            def __call__(self, *args):  # the launcher itself (9 arguments before the kernel's)
+                record(9, *args)
+
         class Compiled:
             function = packed_metadata = None
-
-            def run(self, *args):
-                kernel.launched.append([a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                        for a in args[9:]])
+            run = CudaLauncher()
 
         self.compiled = Compiled()
 

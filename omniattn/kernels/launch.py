@@ -14,7 +14,8 @@ import threading
 
 import torch
 from triton import knobs
-from triton.runtime import driver
+from triton.backends.nvidia.driver import make_tensordesc_arg
+from triton.runtime import _allocation, driver
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -25,6 +26,9 @@ _DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
 # a kernel's oldest entry goes beyond this: calls whose scalars change every time (dropout
 # seeds) miss, and would otherwise grow the cache without end
 MAX_ENTRIES_PER_KERNEL = 256
+# CUtensorMaps a FlatLaunch keeps per descriptor, one per base pointer seen (a model's layers
+# each bring their own); all are dropped past this
+MAX_TENSOR_MAPS_PER_DESCRIPTOR = 64
 
 
 class _Uncacheable(Exception):
@@ -165,3 +169,109 @@ def run_compiled(compiled, grid: tuple[int, int, int], stream: int, args, tail: 
     """The compiled kernel's launcher on `stream`, with no launch metadata and no hooks."""
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
+
+
+# the cells of Triton 3.6's descriptor-expanding wrapper around its launcher module's launch
+_DESCRIPTOR_WRAPPER_CELLS = ("launcher", "tensordesc_indices", "tensordesc_meta")
+
+
+class Unflattenable(Exception):
+    """A compiled kernel whose launcher is not Triton 3.6's CUDA launcher as FlatLaunch knows it."""
+
+
+class _Pointer:
+    """A descriptor's base as Triton's descriptor encoder reads it: only its pointer."""
+    __slots__ = ("pointer",)
+
+    def __init__(self, pointer: int):
+        self.pointer = pointer
+
+    def data_ptr(self) -> int:
+        return self.pointer
+
+
+class FlatLaunch:
+    """One launch of a compiled kernel with its arguments flattened once as Triton's launcher
+    module takes them (each tensor descriptor expanded into its CUtensorMap, or its base, then
+    its shape and strides), for launches repeated with new pointers (call plans). Triton's
+    CudaLauncher redoes that flattening per launch: a pass over every argument and a CUtensorMap
+    encoded per descriptor; here a replay sets only the pointers, and a descriptor's map is
+    encoded once per base pointer. Tensors in the arguments are left as None in `values`:
+    the caller sets them (`index` of the argument) before each `run`."""
+
+    def __init__(self, compiled, grid: tuple[int, int, int], args: tuple, tail: tuple):
+        launcher = compiled.run
+        wrapped = getattr(launcher, "launch", None)
+        code = getattr(wrapped, "__code__", None)  # None: the launcher module's own function
+        if type(launcher).__name__ != "CudaLauncher" or wrapped is None or (
+                code is not None and code.co_freevars != _DESCRIPTOR_WRAPPER_CELLS):
+            raise Unflattenable(type(launcher).__name__)
+        if code is None:  # no descriptor among the kernel's parameters
+            self._launch, descriptor_positions, metas = wrapped, (), ()
+        else:  # Triton's wrapper that expands descriptors (wrap_handle_tensordesc)
+            self._launch, descriptor_positions, metas = (
+                cell.cell_contents for cell in wrapped.__closure__)
+        self._launcher = launcher
+        self._grid = grid
+        self._function = (compiled.function, launcher.launch_cooperative_grid,
+                          launcher.launch_pdl)
+        self._programs = grid[0] * grid[1] * grid[2] * launcher.num_ctas
+        self._packed_metadata = compiled.packed_metadata
+        self.values = []
+        self._starts = []  # per kernel argument, its first index in values
+        self._descriptors = {}  # per descriptor's position: (it without its base, metadata)
+        for position, arg in enumerate((*args, *tail)):
+            self._starts.append(len(self.values))
+            if position in descriptor_positions:
+                meta = metas[len(self._descriptors)]
+                self.values.extend(make_tensordesc_arg(arg, meta))
+                unbased = object.__new__(type(arg))
+                vars(unbased).update(vars(arg), base=None)
+                self._descriptors[position] = (unbased, meta)
+            else:
+                self.values.append(arg)
+        # the plan keeps no tensor of the recorded call alive: the caller sets them per run
+        self.values = [None if isinstance(value, torch.Tensor) else value
+                       for value in self.values]
+
+    def index(self, position: int) -> int:
+        """Where the kernel argument at `position` goes in values (a descriptor: its map or
+        base)."""
+        return self._starts[position]
+
+    def encoder(self, position: int):
+        """pointer -> what the launcher takes for the descriptor at `position` with that base:
+        its CUtensorMap (cached per pointer) or, for a descriptor Triton lowered to pointer,
+        shape and strides, the pointer itself."""
+        unbased, meta = self._descriptors[position]
+        if meta is None:
+            return int
+        tensor_maps = {}
+
+        def encode(pointer: int):
+            tensor_map = tensor_maps.get(pointer)
+            if tensor_map is None:
+                if len(tensor_maps) >= MAX_TENSOR_MAPS_PER_DESCRIPTOR:
+                    tensor_maps.clear()
+                based = object.__new__(type(unbased))
+                vars(based).update(vars(unbased), base=_Pointer(pointer))
+                tensor_map = tensor_maps[pointer] = make_tensordesc_arg(based, meta)[0]
+            return tensor_map
+
+        return encode
+
+    def run(self, stream: int, values: list) -> None:
+        """The launch on `stream` with these values (`self.values` with the tensors set), as
+        CudaLauncher.__call__ makes it, workspaces included."""
+        launcher = self._launcher
+        global_scratch = profile_scratch = None
+        if launcher.global_scratch_size:
+            global_scratch = _allocation._allocator.get()(
+                self._programs * launcher.global_scratch_size, launcher.global_scratch_align,
+                stream)
+        if launcher.profile_scratch_size:
+            profile_scratch = _allocation._profile_allocator.get()(
+                self._programs * launcher.profile_scratch_size, launcher.profile_scratch_align,
+                stream)
+        self._launch(*self._grid, stream, *self._function, global_scratch, profile_scratch,
+                     self._packed_metadata, None, None, None, *values)
