@@ -476,12 +476,13 @@ def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> B
 
     # check_inputs=False: the values it checks are the row lengths' and cu_seqlens', right by
     # construction (`workload_row_lengths`, `workload_documents`); checking them syncs with the
-    # host on every timed call
-    def run_packed(q, k, v):  # (1, S, H, D) -> the packed (S, H, D) views
-        return omniattn.attention(q[0], k[0], v[0], causal=workload.causal,
-                                  cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                  max_seqlen_q=longest, max_seqlen_k=longest,
-                                  check_inputs=False).unsqueeze(0)
+    # host on every timed call. (1, S, H, D) -> the packed (S, H, D) views by squeeze, whose
+    # gradient is a view too (q[0]'s is a zero fill and a copy per input)
+    def run_packed(q, k, v):
+        return omniattn.attention(q.squeeze(0), k.squeeze(0), v.squeeze(0),
+                                  causal=workload.causal, cu_seqlens_q=cu_seqlens,
+                                  cu_seqlens_k=cu_seqlens, max_seqlen_q=longest,
+                                  max_seqlen_k=longest, check_inputs=False).unsqueeze(0)
 
     if cu_seqlens is not None:
         return BuiltAttention(run_packed)
