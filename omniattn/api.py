@@ -433,7 +433,7 @@ def attention(
             # the forward's work (validation and schedule included) planned inside the Function
             out, lse = attention_with_graph(q, k, v, attn_mask, attn_bias,
                                             lambda: call_plans.run(key, inputs,
-                                                                   lambda: call(True)))
+                                                                   lambda: call(True)), key)
             return (out, lse) if return_lse else out
     return call()
 

@@ -3,6 +3,8 @@ torch.library.register_autograd: traceable by torch.compile(fullgraph=True). Eag
 tensors take the same implementations through an autograd.Function (no dispatcher hops)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import call_plans
@@ -138,9 +140,10 @@ class _EagerAttention(torch.autograd.Function):
     a plan where its signature has one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, attn_bias, forward):
+    def forward(ctx, q, k, v, attn_mask, attn_bias, forward, forward_key):
         out, lse, inputs = forward()
         _setup_context(ctx, inputs, (out, lse))
+        ctx.forward_key = forward_key
         ctx.set_materialize_grads(False)  # an unused lse costs no zero gradient
         return out, lse
 
@@ -148,19 +151,25 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:  # only lse reached the loss
             dout = torch.zeros_like(ctx.saved_tensors[3])
-        dq, dk, dv, dbias = _gradients(ctx, dout, dlse, _planned_backward)
-        return dq, dk, dv, None, dbias, None
+        dq, dk, dv, dbias = _gradients(ctx, dout, dlse,
+                                       functools.partial(_planned_backward, ctx.forward_key))
+        return dq, dk, dv, None, dbias, None, None
 
 
-def _planned_backward(*arguments):
+def _planned_backward(forward_key, *arguments):
     """_backward_impl(*arguments), replayed from a call plan where there is one: its host work
-    depends only on the signature of its tensors and scalars, dropout's seed aside."""
+    depends only on the signature of its tensors and scalars, dropout's seed aside. Keyed on
+    the forward's call plan key where it has one (what follows from it is not keyed again)."""
     tensors = (*arguments[:13], *arguments[22])  # dout ... cu_seqlens_k, the schedule's
-    dropout_p = arguments[20]
+    dropout_p, bias_grad = arguments[20], arguments[15]
     key = None
     if dropout_p == 0 and not torch.is_grad_enabled():  # no double backward
-        key = call_plans.signature(tensors, ("backward", *arguments[13:22],
-                                             tuple(arguments[23]), arguments[24]))
+        if forward_key is None:
+            key = call_plans.signature(tensors, ("backward", *arguments[13:22],
+                                                 tuple(arguments[23]), arguments[24]))
+        else:  # new beside the forward's inputs and results: dout, dlse, whether dbias is due
+            key = call_plans.signature_after(forward_key, tensors, (0, 6),
+                                             ("backward", bias_grad))
     if key is None:
         return _backward_impl(*arguments)
     return call_plans.run(key, tensors, lambda: _backward_impl(*arguments))
@@ -191,10 +200,11 @@ def records_graph(q, k, v, attn_bias) -> bool:
                                            for t in (q, k, v, attn_bias))
 
 
-def attention_with_graph(q, k, v, attn_mask, attn_bias, forward) -> tuple:
+def attention_with_graph(q, k, v, attn_mask, attn_bias, forward, forward_key=None) -> tuple:
     """(out, lse) with a graph to (q, k, v, attn_bias), for an eager call on plain tensors;
-    forward() runs with no graph recorded and gives forward_parts."""
-    return _EagerAttention.apply(q, k, v, attn_mask, attn_bias, forward)
+    forward() runs with no graph recorded and gives forward_parts. forward_key: the call plan
+    key forward() ran under, if any (the backward's key builds on it)."""
+    return _EagerAttention.apply(q, k, v, attn_mask, attn_bias, forward, forward_key)
 
 
 def triton_attention(inputs: tuple):

@@ -64,34 +64,71 @@ def _typed(value):
     return type(value), value
 
 
-def signature(inputs: tuple, options: tuple) -> tuple | None:
-    """The key of an eager call whose inputs (tensors or None) are plain tensors on a GPU:
-    shapes, strides, dtypes, devices, 16-byte alignment, which inputs share a storage and where
-    (views of one qkv projection), the options (which must also say whether the call records
-    a graph) and the switches that change the path. None for other calls."""
-    if interpreting() or torch.compiler.is_compiling() \
-            or torch._C._are_functorch_transforms_active() or not plans_enabled():
-        return None
-    storages = {}
-    tensors = []  # per input: its key and where its storage is first shared
-    for t in inputs:
+def _plannable() -> bool:
+    return not (interpreting() or torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active()) and plans_enabled()
+
+
+def _tensor_keys(inputs: tuple, positions, storages: dict) -> list | None:
+    """Per input at `positions` (a tensor or None): its shape, strides, dtype, device, 16-byte
+    alignment and where its storage is first shared (`storages`: storage pointer -> (position,
+    pointer), filled as it goes). None if one is not a plain tensor on a GPU."""
+    keys = []
+    for position in positions:
+        t = inputs[position]
         if t is None:
-            tensors.append(None)
+            keys.append(None)
             continue
         if type(t) is not torch.Tensor or not t.is_cuda:
             return None
         pointer = t.data_ptr()
         first, first_pointer = storages.setdefault(t.untyped_storage().data_ptr(),
-                                                   (len(tensors), pointer))
-        tensors.append((t.shape, t.stride(), t.dtype, t.device, pointer & 15, first,
-                        pointer - first_pointer))
+                                                   (position, pointer))
+        keys.append((t.shape, t.stride(), t.dtype, t.device, pointer & 15, first,
+                     pointer - first_pointer))
+    return keys
+
+
+def _key(leading, tensors: list | None, first: torch.Tensor, options: tuple) -> tuple | None:
+    """`leading`, the switches that change the path (on `first`'s device), the tensors' keys
+    and the options typed; None where tensors is None or an option cannot be hashed (validation
+    will refuse it)."""
+    if tensors is None:
+        return None
     try:
-        key = (torch.cuda.current_device(), gluon_enabled(), tma_enabled(inputs[0].device),
+        key = (leading, torch.cuda.current_device(), gluon_enabled(), tma_enabled(first.device),
                knobs.runtime.debug, tuple(tensors), _typed(options))
         hash(key)
-    except TypeError:  # an option of a type validation will refuse
+    except TypeError:
         return None
     return key
+
+
+def signature(inputs: tuple, options: tuple) -> tuple | None:
+    """The key of an eager call whose inputs (tensors or None) are plain tensors on a GPU:
+    shapes, strides, dtypes, devices, 16-byte alignment, which inputs share a storage and where
+    (views of one qkv projection), the options (which must also say whether the call records
+    a graph) and the switches that change the path. None for other calls."""
+    if not _plannable():
+        return None
+    return _key(None, _tensor_keys(inputs, range(len(inputs)), {}), inputs[0], options)
+
+
+def signature_after(forward_key: tuple, inputs: tuple, fresh: tuple[int, ...],
+                    options: tuple) -> tuple | None:
+    """The key of a backward whose inputs are the inputs of the forward keyed `forward_key` and
+    tensors that forward made, whose layouts and shared storages follow from that key, but for
+    those at positions `fresh` (the gradients of its outputs): those are keyed as `signature`
+    keys them, with any storage they share with another input. The switches are read again.
+    Cheaper than `signature` of all inputs (a planned fwd+bwd's host time: benchmarks/NOTES.md).
+    """
+    if not _plannable():
+        return None
+    storages = {}
+    for position, t in enumerate(inputs):
+        if t is not None and position not in fresh:
+            storages.setdefault(t.untyped_storage().data_ptr(), (position, t.data_ptr()))
+    return _key(forward_key, _tensor_keys(inputs, fresh, storages), inputs[fresh[0]], options)
 
 
 class _Recorder(TorchDispatchMode):

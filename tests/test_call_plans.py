@@ -171,6 +171,51 @@ def test_replayed_training_steps_match_the_calls(monkeypatch, name):
         assert paths == ["plan"] * replays_per_call * max(call - 1, 0), (name, call)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_backward_plans_tell_apart_what_the_forward_key_does_not(monkeypatch):
+    """A planned forward's backward is keyed on the forward's key and what is new beside it:
+    dout's layout (contiguous, strided, or a view into the bias's storage) and whether the bias
+    is learned. Four forms of one forward signature, interleaved after the form whose dout
+    shares the bias's storage was recorded (a plan that located the bias from dout would give
+    the others wrong pointers): each gets a backward key of its own, and every call gives what
+    it gives with plans off."""
+    q, k, v, extra = _inputs(200, 2, 2, 64, bias=lambda s: (2, 2, 1, s))
+    q.requires_grad_()
+    bias_size = extra["attn_bias"].numel()
+    storage = torch.randn(bias_size + q.numel(), device="cuda", dtype=torch.bfloat16)
+    biases = {False: extra["attn_bias"], True: storage[:bias_size].view(2, 2, 1, 200)}
+    douts = {"contiguous": torch.randn_like(q),
+             "strided": torch.randn(2, 2, 200, 64, device="cuda",
+                                    dtype=torch.bfloat16).transpose(1, 2),
+             "in the bias's storage": storage[bias_size:].view(q.shape)}
+    forms = [("in the bias's storage", True), ("contiguous", True), ("strided", True),
+             ("contiguous", False)]
+
+    def step(dout_name, learned):
+        bias = biases[dout_name == "in the bias's storage"].detach().requires_grad_(learned)
+        out = omniattn.attention(q, k, v, causal=True, attn_bias=bias)
+        return (out, *torch.autograd.grad(out, [q, bias] if learned else [q], douts[dout_name]))
+
+    paths = _replays(monkeypatch)
+    step(*forms[0])
+    step(*forms[0])  # recorded: dout and the bias in one storage
+    for call in range(3):
+        for form in forms:
+            got = step(*form)
+            monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
+            expected = step(*form)
+            monkeypatch.delenv("OMNIATTN_CALL_PLANS")
+            for g, e in zip(got, expected):
+                assert torch.equal(g, e), (call, form)
+    backward_keys = [key for key in call_plans._plans if isinstance(key[0], tuple)]
+    assert len(backward_keys) == len(forms)
+    assert all(isinstance(call_plans._plans[key], call_plans._Plan) for key in backward_keys)
+    # forwards: 14 calls, 12 replayed; backwards: the first form's 5 calls, 3 replayed, and
+    # the other forms' 3 calls, 1 replayed each
+    assert len(paths) == 12 + 3 + 3 * 1
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
