@@ -268,13 +268,20 @@ def test_gluon_back_to_back_calls_are_bit_identical(gluon_calls, name):
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("pairs", [1, 2, 4])
-def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs, head_dim):
+@pytest.mark.parametrize("heads_k", [3, 6])
+def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs, head_dim, heads_k):
     """The causal Gluon backward runs its programs a group of (batch, KV head) pairs at a time;
-    9 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is written
-    and exact."""
+    9 or 18 pairs in groups of 2 or 4 leave a short last group: every program's dK / dV is
+    written and exact. At D128, GQA and one pair per group compute dQ a step behind."""
     monkeypatch.setattr(bwd_hopper, "causal_pairs_per_group", lambda *args: pairs)
-    check_case(3, 300, 400, 6, 3, head_dim, torch.bfloat16, "causal", 0.0)
+    dq_trails = []
+    rule = bwd_hopper.hopper_backward_dq_trails
+    monkeypatch.setattr(bwd_hopper, "hopper_backward_dq_trails",
+                        lambda *args: dq_trails.append(rule(*args)) or dq_trails[-1])
+    check_case(3, 300, 400, 6, heads_k, head_dim, torch.bfloat16, "causal", 0.0)
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
+    if head_dim == 128:
+        assert dq_trails == [heads_k < 6 or pairs == 1]
 
 
 @pytest.mark.gpu

@@ -981,7 +981,9 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
     # a third dS buffer (16 KB) fits beside neither the mask's ring nor that scratch
     dq_trails = mask_tma is None and not one_column_dbias and hopper_backward_dq_trails(
-        head_dim, args.has_left, args.has_right, num_heads // num_heads_k)
+        head_dim, args.has_left, args.has_right, num_heads // num_heads_k,
+        pairs_per_group if longest_first else None,
+        bias is not None and bias.spans_queries_and_keys)
     launch(_bwd_hopper_kernel, grid,
         _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
         _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),

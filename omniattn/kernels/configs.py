@@ -268,8 +268,8 @@ def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:
     return _BWD_HOPPER.get(head_dim)
 
 
-def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool,
-                              group: int) -> bool:
+def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool, group: int,
+                              pairs_per_group: int | None = None, full_bias: bool = False) -> bool:
     """Whether the Gluon backward (bwd_hopper.py, head dims 64 and 128) computes each step's dQ in
     the next step (three dS buffers: a consumer waits for the other's dS of the step before, so
     they need not meet at every step) rather than in the step itself (two: they meet at each
@@ -283,8 +283,20 @@ def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool,
     there (22 local loads per step, none with two buffers; Nsight Compute). At head dim 64
     nothing spills and three won everywhere: GPU ms of fwd+bwd calls (fwd.py's forward), dense
     4k 1.395 / 1.301, causal 0.791 / 0.742, GQA 16/4 causal 0.776 / 0.715, causal + key bias
-    0.839 / 0.810, GQA 16/4 (1024, 0) 0.459 / 0.439, dense 16k 10.33 / 9.59."""
-    return head_dim < 128 or (not has_left and (not has_right or group > 1))
+    0.839 / 0.810, GQA 16/4 (1024, 0) 0.459 / 0.439, dense 16k 10.33 / 9.59.
+    pairs_per_group: that of a longest-first causal grid (`causal_pairs_per_group`), else None.
+    Causal MHA takes three where a wave holds one pair's programs, but with a full bias: backward
+    kernel ms (profiler, H100, 2026-11-25, two / three, three rounds), one pair per group: B1 H16
+    16k 5.36-5.55 / 5.21-5.25, B1 H4 32k 5.32-5.60 / 5.11-5.15, a (-1, 256) window at 16k
+    5.47-5.65 / 5.37-5.56, a key bias 6.21-6.27 / 6.19-6.24, a full bias (H8) 5.51-5.64 /
+    6.04-6.17; four pairs (B2 4k) 0.736-0.743 / 0.749-0.761. Backward calls (do_bench), two
+    pairs (8k) 1.583-1.586 / 1.592-1.600; one forced at 4k / 8k (slower for both) 0.915-0.917 /
+    0.918-0.920, 1.66-1.68 / 1.66-1.67."""
+    if head_dim < 128:
+        return True
+    if has_left:
+        return False
+    return not has_right or group > 1 or (pairs_per_group == 1 and not full_bias)
 
 
 def hopper_backward_splits_head_dim(head_dim: int) -> bool:
