@@ -177,23 +177,37 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (2, 1000, 1000, 8, 2, 256, torch.bfloat16, "sliding", 0.0),
                (1, 700, 900, 4, 2, 256, torch.float16, "wide_window", 0.0),
                (1, 300, 200, 4, 4, 256, torch.bfloat16, "causal_window", 0.0),
-               (1, 512, 512, 4, 2, 256, torch.bfloat16, "window", 0.0)]
+               (1, 512, 512, 4, 2, 256, torch.bfloat16, "window", 0.0),
+               # head dim 64: three consumer warpgroups of 64 rows (the forward only); 768: the
+               # tensors seen as (B * S, H * D) by TMA
+               (2, 1000, 1000, 8, 2, 64, torch.bfloat16, "causal", 0.0),
+               (1, 513, 2049, 4, 1, 64, torch.float16, "dense", 0.0),
+               (1, 700, 900, 4, 2, 64, torch.bfloat16, "right_only", 0.0),
+               (3, 129, 1, 2, 2, 64, torch.float16, "causal", 0.0),
+               (1, 255, 113, 4, 2, 64, torch.bfloat16, "causal", 0.0),
+               (2, 1, 17, 4, 1, 64, torch.float16, "dense", 0.0),
+               (2, 768, 768, 4, 2, 64, torch.bfloat16, "causal", 0.0),
+               (1, 768, 768, 6, 3, 64, torch.float16, "dense", 0.0),
+               (2, 1000, 1000, 8, 2, 64, torch.bfloat16, "sliding", 0.0),
+               (1, 700, 900, 4, 2, 64, torch.float16, "wide_window", 0.0),
+               (1, 300, 200, 4, 4, 64, torch.bfloat16, "causal_window", 0.0),
+               (1, 255, 113, 4, 2, 64, torch.float16, "left_only", 0.0)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=case_id)
 def test_gluon_kernels(gluon_calls, case):
-    """Multi-tile launches of the Gluon forward and backward (producer + two consumer
+    """Multi-tile launches of the Gluon forward and backward (producer + two or three consumer
     warpgroups): ring wrap-around, masked tail tiles, rows that see no key, a consumer with fewer
     tiles than its program, odd lengths, GQA groups summed in one backward program. Fails if
-    a pass did not take the Gluon path (with a left window bound at head dim 128 without GQA
-    the backward is bwd.py's)."""
+    a pass did not take the Gluon path (with a left window bound at head dim 128 without GQA,
+    and at head dim 64 without a bias, the backward is bwd.py's)."""
     check_case(*case)
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, mask, softcap = case
     left = ({**MASKS, **WIDE_WINDOWS}[mask]["window"] or (-1, -1))[0] >= 0
     expected = ["fwd", "bwd"]
-    if left and heads == heads_k and head_dim == 128:
+    if (left and heads == heads_k and head_dim == 128) or head_dim == 64:
         expected = ["fwd"]
     assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
 
@@ -209,6 +223,8 @@ BACK_TO_BACK = {
     "d256-gqa-causal": (2, 4096, 16, 4, 256, dict(causal=True)),
     "dense": (2, 4096, 16, 16, 128, {}),
     "d64-key-bias": (2, 4096, 16, 16, 64, dict(causal=True, key_bias=True)),
+    # three consumers, each skipping the leading key tiles only the others need
+    "d64-sliding": (2, 8192, 16, 16, 64, dict(window=(1024, 0))),
     # lists: the mask and the bias by TMA with K (forward) / with q (backward)
     "mask-full-bias": (2, 4096, 16, 16, 128, dict(causal=True, mask=True, full_bias=True)),
     "gqa-key-bias-sliding": (2, 4096, 16, 4, 128, dict(window=(1024, 0), key_bias=True)),

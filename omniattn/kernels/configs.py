@@ -193,8 +193,9 @@ _FP32_BWD = BwdTileConfig(32, 32, 32, 32, 4, 1)
 
 @dataclass(frozen=True)
 class HopperTileConfig:
-    """Tiles of the Gluon kernels. Forward (fwd_hopper.py): block_m query rows per program (half
-    per consumer warpgroup), block_n keys per K/V buffer, num_buffers K/V buffers in the ring.
+    """Tiles of the Gluon kernels. Forward (fwd_hopper.py): block_m query rows per program
+    (block_m / consumers per consumer warpgroup), block_n keys per K/V buffer, num_buffers K/V
+    buffers in the ring.
     Backward (bwd_hopper.py): block_n keys per program (half per consumer warpgroup), block_m
     query rows per q / dO buffer, num_buffers of those. Registers per thread of the consumer and
     producer partitions. mask_buffers: the forward's K/V buffers when the producer also loads
@@ -207,6 +208,7 @@ class HopperTileConfig:
     consumer_regs: int
     producer_regs: int
     mask_buffers: int = 0
+    consumers: int = 2
 
 
 # Gluon forward, keyed by head dim (exact: no padding). H100, bf16, do_bench, against fwd.py and
@@ -228,6 +230,17 @@ class HopperTileConfig:
 _FWD_HOPPER = {
     128: HopperTileConfig(128, 128, 3, 232, 40, mask_buffers=2),
     256: HopperTileConfig(128, 64, 2, 240, 24),
+}
+# Gluon forward of plain calls only (`hopper_forward_config`): three consumer warpgroups of 64
+# rows at D64, where a step's matmuls are half D128's beside the same softmax. H100, bf16, forward
+# kernel ms (profiler, 2026-11-25, two rounds; fwd.py / this): dense B2 H16 4k 0.330-0.335 /
+# 0.308-0.320, causal 4k 0.205-0.207 / 0.195-0.197, dense B1 H16 16k 2.42-2.60 / 2.08-2.34, causal
+# 16k 1.28-1.36 / 1.15-1.20. Two consumers (128, 128, 4, 240, 24): 0.313-0.315, 0.200-0.202,
+# 2.29-2.47, 1.25-1.42. Dense 4k at 3 / 5 buffers 0.312-0.317 / 0.310-0.311; registers (168, 24)
+# 0.349-0.352, (152, 24) 0.340-0.345, (144, 24) 0.366-0.368, (160, 40) 0.351-0.356; 64-key tiles
+# in 6 buffers 0.349-0.351
+_FWD_HOPPER_PLAIN = {
+    64: HopperTileConfig(192, 128, 4, 160, 24, consumers=3),
 }
 # Gluon forward with a 2-byte bias spanning (Sq, Sk): its tiles (and a byte mask's) come by TMA
 # with K, [64, 64] boxes per consumer: 3 stages of 64 keys take 200 KB of shared memory (at 128
@@ -259,9 +272,14 @@ _BWD_HOPPER = {
 }
 
 
-def hopper_forward_config(head_dim: int, full_bias: bool = False) -> HopperTileConfig | None:
-    """full_bias: with a bias spanning (Sq, Sk)."""
-    return (_FWD_HOPPER_FULL_BIAS if full_bias else _FWD_HOPPER).get(head_dim)
+def hopper_forward_config(head_dim: int, full_bias: bool = False,
+                          plain: bool = False) -> HopperTileConfig | None:
+    """full_bias: with a bias spanning (Sq, Sk); plain: dense, causal or windows alone (no
+    schedule lists, mask, bias, per-row lengths or packing), which `_FWD_HOPPER_PLAIN` takes
+    too."""
+    if full_bias:
+        return _FWD_HOPPER_FULL_BIAS.get(head_dim)
+    return _FWD_HOPPER.get(head_dim) or (_FWD_HOPPER_PLAIN.get(head_dim) if plain else None)
 
 
 def hopper_backward_config(head_dim: int) -> HopperTileConfig | None:

@@ -296,7 +296,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     # per-row key lengths only in length order (the tiles' key ranges come from them)
     gluon = bits is None and (row_lens is None or row_order is not None) and dropout[0] == 0 \
         and (packed is None or row_lens is None)
-    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias, packed):
+    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias, packed, row_lens):
         hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
         return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)

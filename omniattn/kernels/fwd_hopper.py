@@ -1,7 +1,8 @@
 """Hopper forward for the schedules without per-element terms (dense, causal, windows, GQA),
 written in Gluon: a producer warp streams K/V tiles through TMA into a ring of shared-memory buffers
 (a buffer's K goes back to it once QK^T has read it, its V after P V), two consumer warpgroups each
-own 64 query rows of the program's 128. Each consumer issues the next tile's QK^T before the softmax
+own 64 query rows of the program's 128 (three of 192 at head dim 64, dense / causal / windows
+alone: `configs._FWD_HOPPER_PLAIN`). Each consumer issues the next tile's QK^T before the softmax
 of the current one, so the softmax runs while the tensor cores compute P V of the tile before (FA3's
 intra-warpgroup overlap, with asynchronous wgmma and explicit waits that Triton's `tl.dot` does not
 expose). It also runs element masks, biases and bitmap-free block masks: the key tiles then come
@@ -58,12 +59,12 @@ def _load_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM: gl.const
 
 
 @gluon.jit
-def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr):
+def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr, CONSUMERS: gl.constexpr = 2):
     """Shared memory for the mask / bias tiles a producer copies through `desc` (BY_TMA): one
-    box per consumer and buffer, index 2 * buf + c; without BY_TMA a small stand-in, not
+    box per consumer and buffer, index CONSUMERS * buf + c; without BY_TMA a small stand-in, not
     read."""
     if BY_TMA:
-        smem = gl.allocate_shared_memory(desc.dtype, [NUM_BUF * 2] + desc.block_type.shape,
+        smem = gl.allocate_shared_memory(desc.dtype, [NUM_BUF * CONSUMERS] + desc.block_type.shape,
                                          desc.layout)
     else:
         smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
@@ -132,24 +133,24 @@ def _next_key_start(step, first_tile, num_tiles, next_tiles, buf, EXPLICIT: gl.c
 
 
 @gluon.jit
-def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-             off_b, off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list,
-             full_list, q_start, k_start, mask_desc, mask_smem, mask_row, bias_desc, bias_smem,
-             bias_row, next_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
-             EXPLICIT: gl.constexpr, MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr,
-             ROW_ORDER: gl.constexpr):
+def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
+             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr, ROW_ORDER: gl.constexpr,
+             CONSUMERS: gl.constexpr):
     """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather theirs),
     then the K and V tiles of step j (key tile first_tile + j of an implicit schedule) into buffer j
-    % NUM_BUF, each as soon as both consumers released the one of the step that used the buffer
+    % NUM_BUF, each as soon as every consumer released the one of the step that used the buffer
     before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the masked
     steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch, head,
     query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias tiles, likewise.
     Explicit schedules: the next step's key tile into next_tiles beside the buffer, before K's
     arrival (the list entry read a step ahead). q_start / k_start: the batch's first row of the
-    flat (FLAT) descriptors."""
+    flat (FLAT) descriptors. loads: the program's values and buffers, as the kernel packs them."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, off_b,
+     off_h, off_hk, start_m, first_tile, num_tiles, num_part, part_list, full_list, q_start,
+     k_start, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row, next_tiles) = loads
     if not ROW_ORDER:
-        for c in gl.static_range(2):
+        for c in gl.static_range(CONSUMERS):
             _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, q_start, q_ready.index(c),
                        q_smem.index(c), HEAD_DIM, FLAT)
     next_tile = _tile_at(0, num_part, part_list, full_list, EXPLICIT)
@@ -164,27 +165,27 @@ def _load_kv(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v
         if EXPLICIT:
             hand_over(next_tiles.index(buf), next_tile)
         if MASK_TMA or BIAS_TMA:
-            k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_TMA * 2 * \
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_TMA * CONSUMERS * \
                 bias_desc.block_type.nbytes
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
             if MASK_TMA:
                 # the consumers apply the mask in the PARTIAL steps and always in the first one
                 with_mask = (j < num_part) | (j == 0)
-                mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
+                mask_bytes: gl.constexpr = CONSUMERS * mask_desc.block_type.nbytes
                 mbarrier.expect(k_ready.index(buf), k_bytes + mask_bytes, pred=with_mask)
                 mbarrier.expect(k_ready.index(buf), k_bytes, pred=(j >= num_part) & (j != 0))
                 # rows past Sq read the next head's (or zeros): they are never stored
-                for c in gl.static_range(2):
+                for c in gl.static_range(CONSUMERS):
                     tma.async_copy_global_to_shared(
                         mask_desc, [mask_row + c * BLOCK_M, start_n], k_ready.index(buf),
-                        mask_smem.index(buf * 2 + c), pred=with_mask)
+                        mask_smem.index(buf * CONSUMERS + c), pred=with_mask)
             else:
                 mbarrier.expect(k_ready.index(buf), k_bytes)
             if BIAS_TMA:
-                for c in gl.static_range(2):
+                for c in gl.static_range(CONSUMERS):
                     tma.async_copy_global_to_shared(
                         bias_desc, [bias_row + c * BLOCK_M, start_n], k_ready.index(buf),
-                        bias_smem.index(buf * 2 + c))
+                        bias_smem.index(buf * CONSUMERS + c))
             _copy_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         else:
@@ -304,7 +305,7 @@ def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stri
 
 @gluon.jit
 def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr):
-    """Steps [first, end), loaded for the other consumer only: each released once its K and V
+    """Steps [first, end), loaded for other consumers only: each released once its K and V
     are there. Waiting for K too keeps this consumer's later waits on k_ready in phase: they
     test parity only, so a skipped phase lets the wait for step j + NUM_BUF pass on step j's
     when V lands before K (H100, D256, window (1024, 0): identical calls gave different
@@ -358,25 +359,19 @@ def _scatter_rows(src, rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M:
 
 
 @gluon.jit
-def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, lse_rows_base,
-            q_start, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset,
-            window_left, window_right, qk_scale_log2, first_tile, num_tiles_cta, num_part,
-            part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm,
-            stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om,
-            lens_rows, order_rows, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr,
-            HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
-            PACKED: gl.constexpr,
+def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
             HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
             MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
             BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
             EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-            FLAT: gl.constexpr):
+            FLAT: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles, each through
     `_overlapped_tile`. Explicit schedules: the program's PARTIAL tiles (predicate and mask),
     then its FULL ones. Implicit (step j: key tile first_tile + j): the tiles cut by the left
     edge of this consumer's rows' windows, those every row sees whole, then those cut on the
-    right; a tile only the other consumer needs is still released once loaded, so the
+    right; a tile only other consumers need is still released once loaded, so the
     producer's ring keeps turning. This consumer's first step is always treated as PARTIAL.
     MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
     else each consumer loads its own. Explicit schedules read each step's next key tile from
@@ -386,7 +381,13 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
     first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows (each
     at row 0 of the (batch, head)). PACKED: a tile cut by the sequence's end stores its rows
     inside it to o_rows (TMA would write the next sequence's rows too). lse_rows_base: the
-    (batch, head)'s lse at row 0; q_start: the batch's first row of the flat (FLAT) view."""
+    (batch, head)'s lse at row 0; q_start: the batch's first row of the flat (FLAT) view. common:
+    the program's values and buffers, as the kernel packs them (one tuple for every consumer)."""
+    (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, lse_rows_base, q_start,
+     off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+     qk_scale_log2, first_tile, num_tiles_cta, num_part, part_list, full_list, mask_rows,
+     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, next_tiles,
+     q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows) = common
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -456,7 +457,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
         if HAS_MASK and MASK_TMA:
             keep = mask_smem.index(CONSUMER).load(s_layout)
         if BIAS_TMA:
-            bias = bias_smem.index(first_buf * 2 + CONSUMER).load(s_layout)
+            bias = bias_smem.index(first_buf * CONSUMERS + CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(kv_free.index(first_buf))
         step0_left = window_left
@@ -494,7 +495,7 @@ def _attend(o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, 
                         MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                         BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT and run != 1,
                         HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        NUM_BUF, s_layout, o_layout, p_layout)
+                        NUM_BUF, CONSUMERS, s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
@@ -546,7 +547,7 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
                      BIAS_COLS_SHARED: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NUM_BUF: gl.constexpr, s_layout: gl.constexpr,
+                     NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
     softmax of S_j runs while the second matmul is on the tensor cores. K_j's buffer goes back
@@ -573,10 +574,10 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     # -inf select off the softmax's path: 0.410 against 0.416 ms); a mask the consumer loads
     # itself would be waited for here (0.452 against 0.439)
     if BIAS_TMA:
-        bias = bias_smem.index(buf * 2 + CONSUMER).load(s_layout)
+        bias = bias_smem.index(buf * CONSUMERS + CONSUMER).load(s_layout)
     TERMS: gl.constexpr = MASKED and HAS_MASK and MASK_TMA
     if TERMS:
-        keep = mask_smem.index(buf * 2 + CONSUMER).load(s_layout)
+        keep = mask_smem.index(buf * CONSUMERS + CONSUMER).load(s_layout)
         if HAS_BIAS:
             bias = gl.where(keep != 0, bias.to(gl.float32), float("-inf"))
         else:
@@ -609,8 +610,8 @@ def _fwd_hopper_kernel(
     MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
     BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     tile_m = gl.program_id(0)
     if REVERSE_M:
@@ -619,7 +620,7 @@ def _fwd_hopper_kernel(
     off_bh = gl.program_id(1)
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
-    start_m = tile_m * (2 * BLOCK_M)
+    start_m = tile_m * (CONSUMERS * BLOCK_M)
     # packed: q_start is the sequence's first row of out / lse too
     q_start, seqlen_q, k_start, seqlen_k, diag_offset = flat_view_bounds(
         CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, PACKED)
@@ -638,10 +639,10 @@ def _fwd_hopper_kernel(
         part_list = KvIdx
         full_list = FullKvIdx
         # the producer loads the tiles any of the program's rows needs: from the first row's
-        # first (the first consumer's) to the last row's last (the second's)
+        # first (the first consumer's) to the last row's last (the last consumer's)
         first_tile, _, _, end_tile = implicit_kv_range(
-            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right, 2 * BLOCK_M,
-            BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+            CONSUMERS * BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         num_tiles = end_tile - first_tile
     # rows in length order: the program's first row is its longest
     lens_rows = RowLens + off_b.to(gl.int64) * stride_rlb
@@ -660,74 +661,95 @@ def _fwd_hopper_kernel(
     bias_rows = Bias + off_b.to(gl.int64) * stride_bb \
         + (off_h // bias_head_div).to(gl.int64) * stride_bh + start_m.to(gl.int64) * stride_bm
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape,
+                                       q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape,
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF] + v_desc.block_type.shape,
                                        v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     # releases of each buffer's K (index buf) and V (NUM_BUF + buf)
     kv_free = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
     # each step's mask / bias, a [BM, BN] tile per consumer
-    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
-    bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA)
+    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA, CONSUMERS)
+    bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA, CONSUMERS)
     # explicit schedules: the key tile of the step after each buffered one, from the producer
     next_tiles = gl.allocate_shared_memory(gl.int32, [NUM_BUF, 1],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # initialised only where used (a gathered q has none: see bwd_hopper's bias_ready)
     if not ROW_ORDER:
-        for c in gl.static_range(2):
+        for c in gl.static_range(CONSUMERS):
             mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)  # one release per consumer
-        mbarrier.init(kv_free.index(NUM_BUF + i), count=2)
+        mbarrier.init(kv_free.index(i), count=CONSUMERS)  # one release per consumer
+        mbarrier.init(kv_free.index(NUM_BUF + i), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                   lse_rows_base, q_start, off_b, off_h, start_m, seqlen_q, seqlen_k,
-                   diag_offset, window_left, window_right, qk_scale_log2, first_tile, num_tiles,
-                   num_part, part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows,
-                   stride_bm, stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm,
-                   o_rows, stride_om, lens_rows, order_rows, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
-                   ROW_ORDER, PACKED, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                   HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
-        (_attend, (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                   lse_rows_base, q_start, off_b, off_h, start_m, seqlen_q, seqlen_k,
-                   diag_offset, window_left, window_right, qk_scale_log2, first_tile, num_tiles,
-                   num_part, part_list, full_list, mask_rows, stride_mm, stride_mn, bias_rows,
-                   stride_bm, stride_bn, mask_smem, bias_smem, next_tiles, q_rows, stride_qm,
-                   o_rows, stride_om, lens_rows, order_rows, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
-                   ROW_ORDER, PACKED, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                   HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT)),
-        (_load_kv, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                    kv_free, off_b, off_h, off_h // group, start_m, first_tile, num_tiles,
-                    num_part, part_list, full_list, q_start, k_start, mask_desc, mask_smem,
-                    off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
-                    bias_desc, bias_smem,
-                    off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
-                    next_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT, MASK_TMA,
-                    BIAS_TMA, ROW_ORDER)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # the values and buffers each consumer (common) and the producer take, packed once; the
+    # constexprs stay out: a tuple assigned in a kernel turns them into tensors
+    common = (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, lse_rows_base,
+              q_start, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset, window_left,
+              window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list, full_list,
+              mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
+              bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows)
+    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                kv_free, off_b, off_h, off_h // group, start_m, first_tile, num_tiles, num_part,
+                part_list, full_list, q_start, k_start, mask_desc, mask_smem,
+                off_b * mask_batch_rows + (off_h // mask_head_div) * seqlen_q + start_m,
+                bias_desc, bias_smem,
+                off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
+                next_tiles)
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
+                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                       CONSUMERS)),
+                            (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
+                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                       CONSUMERS)),
+                            (_attend, (common, 2, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
+                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                       CONSUMERS)),
+                            (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                        EXPLICIT, MASK_TMA, BIAS_TMA, ROW_ORDER, CONSUMERS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
+                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                       CONSUMERS)),
+                            (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
+                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
+                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
+                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                       CONSUMERS)),
+                            (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
+                                        EXPLICIT, MASK_TMA, BIAS_TMA, ROW_ORDER, CONSUMERS))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def gluon_candidate(q: torch.Tensor, args: KernelArgs,
-                    full_bias: torch.Tensor | None = None, backward: bool = False) -> bool:
+                    full_bias: torch.Tensor | None = None, backward: bool = False,
+                    plain: bool = False) -> bool:
     """Whether the Gluon forward (backward: the Gluon backward) can take calls on q's device,
-    dtype and head dim with these arguments: sm90, bf16 / fp16, a head dim it has tiles for, no
-    softcap; a bias spanning (Sq, Sk) (full_bias) only with 2-byte elements that
-    `tiles_by_tma` accepts; not turned off by OMNIATTN_GLUON=0."""
+    dtype and head dim with these arguments: sm90, bf16 / fp16, a head dim it has tiles for
+    (plain: see `hopper_forward_config`), no softcap; a bias spanning (Sq, Sk) (full_bias) only
+    with 2-byte elements that `tiles_by_tma` accepts; not turned off by OMNIATTN_GLUON=0."""
     if not gluon_enabled() or interpreting() or q.device.type != "cuda":
         return False
     if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
         return False
     config = hopper_backward_config(q.shape[-1]) if backward \
-        else hopper_forward_config(q.shape[-1], full_bias is not None)
+        else hopper_forward_config(q.shape[-1], full_bias is not None, plain)
     if compute_capability(q.device)[0] != 9 or config is None:
         return False
     return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0
@@ -736,7 +758,8 @@ def gluon_candidate(q: torch.Tensor, args: KernelArgs,
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, args: KernelArgs, schedule: TileLists | None = None,
                            bias: Elementwise | None = None,
-                           packed: PackedSequences | None = None) -> bool:
+                           packed: PackedSequences | None = None,
+                           row_lens: torch.Tensor | None = None) -> bool:
     """Whether `hopper_forward` runs this call: a candidate (above) with (B, S, H, D) tensors
     that TMA can read and an explicit schedule, if any, at its tiles; packed sequences with
     (total, H, D) tensors whose heads are packed (viewable as (total, H * D)), without a schedule
@@ -748,9 +771,10 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             return False
     elif q.dim() != 4 or lse.dim() != 3:
         return False
-    if lse.stride(-1) != 1 or not gluon_candidate(q, args, full_bias):
+    plain = schedule is None and bias is None and packed is None and row_lens is None
+    if lse.stride(-1) != 1 or not gluon_candidate(q, args, full_bias, plain=plain):
         return False
-    cfg = hopper_forward_config(q.shape[-1], full_bias is not None)
+    cfg = hopper_forward_config(q.shape[-1], full_bias is not None, plain)
     if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
                                                                           cfg.block_n):
         return False
@@ -861,8 +885,9 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     if (row_lens is None) != (row_order is None):
         raise ValueError("hopper_forward: row_lens and row_order come together")
-    cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys)
-    block_m = cfg.block_m // 2  # rows per consumer warpgroup
+    plain = schedule is None and bias is None and packed is None and row_lens is None
+    cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys, plain)
+    block_m = cfg.block_m // cfg.consumers  # rows per consumer warpgroup
     n_tiles_m = cdiv(seqlen_q, cfg.block_m)
     flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
                                              v, out)
@@ -893,4 +918,5 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         NUM_BUF=cfg.num_buffers if mask_tma is None else cfg.mask_buffers, FLAT=flat,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4)
+        CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4)
