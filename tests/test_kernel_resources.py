@@ -67,6 +67,18 @@ def test_gluon_kernels_fit_in_shared_memory(kernel, flags, head_dim, name):
     assert 160 * 1024 < int(report["shared_bytes"]) <= 232448
 
 
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+@pytest.mark.parametrize("flags", [["--causal"], ["--window", "1024,0", "--heads-k", "4"]])
+def test_gluon_forward_at_head_dim_64_runs_three_consumers(flags):
+    """A plain D64 forward takes three consumer warpgroups (`configs._FWD_HOPPER_PLAIN`): their
+    q tiles beside four 128-key K/V buffers, more than two consumers' would take, without
+    spills."""
+    out = _run_tool("--kernel", "gluon-fwd", *flags, "--seqlen", "384", "--head-dim", "64")
+    report = dict(re.findall(r"(\w+)=(\w+)", out))
+    assert report["kernel"] == "_fwd_hopper_kernel"
+    assert int(report["shared_bytes"]) >= 3 * 64 * 64 * 2 + 4 * 2 * 128 * 64 * 2
+    assert (report["spill_store_bytes"], report["spill_load_bytes"]) == ("0", "0")
+
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton build has no bundled cuobjdump")
 @pytest.mark.parametrize("kernel, flags", [
@@ -81,6 +93,8 @@ def test_gluon_kernels_fit_in_shared_memory(kernel, flags, head_dim, name):
     ("gluon-fwd", ["--mask", "--bias", "full"]),
     ("gluon-bwd", ["--causal", "--head-dim", "256"]),
     ("gluon-bwd", ["--head-dim", "64"]),
+    # three consumers: each skips the leading key tiles only the others need
+    ("gluon-fwd", ["--window", "1024,0", "--head-dim", "64"]),
     # per-row key lengths: the forward's q_ready barriers go uninitialised (q is gathered)
     ("gluon-fwd", ["--row-lengths"]),
     ("gluon-bwd", ["--row-lengths"]),
