@@ -307,7 +307,9 @@ def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool, gr
     kernel ms (profiler, H100, 2026-11-25, two / three, three rounds), one pair per group: B1 H16
     16k 5.36-5.55 / 5.21-5.25, B1 H4 32k 5.32-5.60 / 5.11-5.15, a (-1, 256) window at 16k
     5.47-5.65 / 5.37-5.56, a key bias 6.21-6.27 / 6.19-6.24, a full bias (H8) 5.51-5.64 /
-    6.04-6.17; four pairs (B2 4k) 0.736-0.743 / 0.749-0.761. Backward calls (do_bench), two
+    6.04-6.17; four pairs (B2 4k) 0.736-0.743 / 0.749-0.761; GQA 16/4 causal 4k ties with a full
+    bias (1.834-1.852 / 1.839-1.848) and a key bias (0.808-0.812 / 0.809-0.811), a full bias
+    without causal gains (2.576-2.613 / 2.542-2.578). Backward calls (do_bench), two
     pairs (8k) 1.583-1.586 / 1.592-1.600; one forced at 4k / 8k (slower for both) 0.915-0.917 /
     0.918-0.920, 1.66-1.68 / 1.66-1.67."""
     if head_dim < 128:
