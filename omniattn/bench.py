@@ -25,8 +25,10 @@ import triton
 
 import omniattn
 from omniattn.api import groups_rows_by_length
-from omniattn.kernels.configs import forward_config, interpreting, switches
-from omniattn.kernels.schedule import RelativePredicate
+from omniattn.kernels.configs import (forward_config, hopper_forward_config, interpreting,
+                                      switches)
+from omniattn.kernels.fwd_hopper import gluon_candidate
+from omniattn.kernels.schedule import KernelArgs, RelativePredicate
 
 MODES = ("fwd", "fwd+bwd")
 SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")
@@ -748,15 +750,29 @@ def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str,
     return tuple(p for p in providers if p in runnable)
 
 
+def _gluon_forward(workload: Workload, extra: ExtraInputs, plain: bool) -> bool:
+    """Whether omniattn's forward of this workload runs the Gluon kernel (`gluon_candidate`, from
+    the device, dtype, head dim and options; plain: no mask, bias, lengths or packing)."""
+    probe = torch.empty((0, 0, workload.heads, workload.head_dim), device=extra.device,
+                        dtype=workload.dtype)
+    args = KernelArgs.make(workload.head_dim, workload.causal, workload.window, None, 0.0)
+    full_bias = extra.bias if workload.bias == "full" else None
+    return gluon_candidate(probe, args, full_bias, plain=plain)
+
+
 def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float | None]:
     """(pairs in the tiles omniattn's forward kernel computes, visible pairs, active tile
     fraction) per (batch, head); the fraction is for element masks and row lengths only (None
-    otherwise)."""
+    otherwise). Tiles: the Gluon forward's where it takes the workload, else the Triton one's."""
     if extra.block_mask is not None:
         pairs = block_mask_pairs(extra.block_mask)
         return pairs, pairs, None
     if extra.keep is not None:
-        tile = forward_config(workload.head_dim, workload.dtype, masked=True, elementwise=True)
+        # an element mask with a left window bound keeps the Triton forward's finer tiles
+        left = workload.window is not None and workload.window[0] >= 0
+        tile = forward_config(workload.head_dim, workload.dtype, masked=True, elementwise=True,
+                              gluon=not left and _gluon_forward(workload, extra, plain=False),
+                              full_bias=workload.bias == "full")
         return element_mask_pairs(extra.keep, workload.causal, tile.block_m, tile.block_n)
     if extra.row_lens is not None:
         # per-row lengths alone keep the dense tiles (128 x 128 at D128 bf16 on the GPU), as
@@ -767,7 +783,10 @@ def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float 
         return row_lengths_pairs(extra.row_lens, workload.seqlen_k, tile.block_m, tile.block_n,
                                  grouped)
     masked = workload.causal or workload.window is not None
+    plain = extra.cu_seqlens is None
     tile = forward_config(workload.head_dim, workload.dtype, masked=masked)
+    if _gluon_forward(workload, extra, plain):
+        tile = hopper_forward_config(workload.head_dim, plain=plain)
     if extra.cu_seqlens is not None:  # each document alone
         lengths = extra.cu_seqlens.diff().tolist()
         return (sum(computed_pairs(n, n, workload.causal, tile.block_m, tile.block_n)

@@ -173,6 +173,29 @@ def test_rows_active_fraction_is_on_the_dense_gpu_tiles(monkeypatch):
     assert bench.row_lengths_pairs(lens, 8192, 128, 128)[2] == pytest.approx(65 / 128)
 
 
+def test_pairs_follow_the_gluon_forward_tiles(monkeypatch):
+    """Where the Gluon forward takes a workload, its computed pairs are counted on that kernel's
+    tiles: 192 x 128 for a plain D64 call, 128 x 128 for packed D128 documents (not plain);
+    elsewhere on the Triton forward's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    d64 = next(w for w in bench.default_workloads("cuda", "headdim")
+               if w.head_dim == 64 and w.causal)
+    documents = next(w for w in bench.default_workloads("cuda", "varlen")
+                     if w.head_dim == 128 and w.causal)
+    for workload, gluon_tile in ((d64, (192, 128)), (documents, (128, 128))):
+        extra = bench.ExtraInputs(workload, "cpu")
+        lengths = [workload.seqlen_q] if extra.cu_seqlens is None \
+            else extra.cu_seqlens.diff().tolist()
+        triton_tile = bench.forward_config(workload.head_dim, workload.dtype, masked=True)
+        for gluon, (block_m, block_n) in ((False, (triton_tile.block_m, triton_tile.block_n)),
+                                          (True, gluon_tile)):
+            monkeypatch.setattr(bench, "gluon_candidate", lambda *args, **kwargs: gluon)
+            pairs, exact, _ = bench._pairs(workload, extra)
+            assert pairs == sum(bench.computed_pairs(n, n, True, block_m, block_n)
+                                for n in lengths), (workload.name, gluon)
+            assert exact == sum(bench.visible_pairs(n, n, True) for n in lengths)
+
+
 def test_rows_providers_agree(reference_path):
     """omniattn (seqlens_k_per_row) and SDPA math (bool mask) compute the same output and
     gradients."""
