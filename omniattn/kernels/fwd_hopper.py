@@ -702,6 +702,7 @@ def _fwd_hopper_kernel(
                 bias_desc, bias_smem,
                 off_b * bias_batch_rows + (off_h // bias_head_div) * seqlen_q + start_m,
                 next_tiles)
+    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     if CONSUMERS == 3:
         gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
                                        HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
