@@ -279,8 +279,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
     Calls without bits or dropout, with row_lens only in length order (row_order) and packing
     only without a schedule, bias or row_lens, run the Gluon kernel of fwd_hopper.py where it
-    applies (sm90, head dim 128 or 256, no softcap, a bias spanning (Sq, Sk) only at 128 and if
-    TMA can read it, a schedule at its tiles)."""
+    applies (sm90, head dim 128 or 256, or 64 without schedule, bias, row_lens or packing; no
+    softcap, a bias spanning (Sq, Sk) only at 128 and if TMA can read it, a schedule at its
+    tiles)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
