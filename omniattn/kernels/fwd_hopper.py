@@ -756,6 +756,13 @@ def gluon_candidate(q: torch.Tensor, args: KernelArgs,
     return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0
 
 
+def _plain(schedule: TileLists | None, bias: Elementwise | None,
+           packed: PackedSequences | None, row_lens: torch.Tensor | None) -> bool:
+    """A call `hopper_forward_config` calls plain: no schedule, bias, per-row lengths or
+    packing."""
+    return schedule is None and bias is None and packed is None and row_lens is None
+
+
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, args: KernelArgs, schedule: TileLists | None = None,
                            bias: Elementwise | None = None,
@@ -772,7 +779,7 @@ def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             return False
     elif q.dim() != 4 or lse.dim() != 3:
         return False
-    plain = schedule is None and bias is None and packed is None and row_lens is None
+    plain = _plain(schedule, bias, packed, row_lens)
     if lse.stride(-1) != 1 or not gluon_candidate(q, args, full_bias, plain=plain):
         return False
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None, plain)
@@ -886,8 +893,8 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     if (row_lens is None) != (row_order is None):
         raise ValueError("hopper_forward: row_lens and row_order come together")
-    plain = schedule is None and bias is None and packed is None and row_lens is None
-    cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys, plain)
+    cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys,
+                                _plain(schedule, bias, packed, row_lens))
     block_m = cfg.block_m // cfg.consumers  # rows per consumer warpgroup
     n_tiles_m = cdiv(seqlen_q, cfg.block_m)
     flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
