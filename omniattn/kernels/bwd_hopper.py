@@ -10,14 +10,15 @@ partials); explicit schedules list them per head, PARTIAL first. A producer warp
 tiles, with their rows of lse and delta, through TMA into a ring of shared-memory buffers; two
 consumer warpgroups each own half of the keys. Per query tile a consumer computes S^T = K Q^T (keys
 as the wgmma's M), P^T, dV += P^T dO, dP^T = V dO^T, dS^T and dK += dS^T Q, with P^T and dS^T
-through shared memory; once both halves of dS are there it computes dQ = dS K for its half of the
-head dim (in the step, or where a third dS buffer fits and it measured faster, in the next one:
-`hopper_backward_dq_trails`) and reduce-adds it into an fp32 buffer through TMA (5 matmuls per tile
-pair; the Triton kernel's dQ programs make it 7). P is rounded to bf16 / fp16 before dS = P (dP -
-delta), as in the dV matmul. A 1-byte mask spanning (Sq, Sk) comes by TMA with q; a 2-byte bias
-spanning (Sq, Sk) by a TMA copy each consumer issues a step ahead into its half of the dS buffer
-that the step's dS overwrites; other mask and bias tiles are plain loads into the S^T layout, issued
-before the step's waits. Everything else runs in `bwd.py`."""
+as register operands, dS^T stored to shared memory as well; once both halves of dS are there it
+computes dQ = dS K for its half of the head dim (in the step, or where a third dS buffer fits and it
+measured faster, in the next one: `hopper_backward_dq_trails`) and reduce-adds it into an fp32
+buffer through TMA (5 matmuls per tile pair; the Triton kernel's dQ programs make it 7). P is
+rounded to bf16 / fp16 before dS = P (dP - delta), as in the dV matmul. A 1-byte mask spanning
+(Sq, Sk) comes by TMA with q; a 2-byte bias spanning (Sq, Sk) by a TMA copy each consumer issues a
+step ahead into its half of the dS buffer that the step's dS overwrites; other mask and bias tiles
+are plain loads into the S^T layout, issued before the step's waits. Everything else runs in
+`bwd.py`."""
 from __future__ import annotations
 
 import torch
@@ -280,7 +281,7 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, tile_m, head, softmax_s
 
 @gluon.jit
 def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
@@ -377,15 +378,16 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             p_t = gl.where(keys[:, None] >= (start_m + local_m)[None, :] + diag_left, p_t, 0.0)
         if ROW_ORDER:
             p_t = gl.where(keys[:, None] < row_ends[None, :], p_t, 0.0)
-    # P^T (bf16 from here on: dS^T uses it too) and dS^T go to shared memory as the A operands
-    # of dV and dK. dP^T after P^T: S^T and dP^T in flight together, with P^T in fp32, left the
-    # consumer short of registers (ptxas spilled and serialised the wgmmas)
+    # P^T (bf16 from here on: dS^T uses it too) and dS^T are the A operands of dV and dK from
+    # registers: through shared memory each took a store, a fence and a warpgroup barrier per
+    # step (H100, backward kernel 6-10% slower, 2026-11-25). dP^T after P^T: S^T and dP^T in
+    # flight together, with P^T in fp32, left the consumer short of registers
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout,
+                                                 k_width=2)
     p_t = p_t.to(q.dtype)
-    p_smem.store(p_t)
-    fence_async_shared()
     # dO must have landed before the dV matmul reads it (issued first, it raced the copy)
     mbarrier.wait(do_ready.index(buf), phase)
-    dv = warpgroup_mma(p_smem, do, dv, is_async=True)
+    dv = warpgroup_mma(gl.convert_layout(p_t, a_layout), do, dv, is_async=True)
     delta = delta_smem.index(buf).load(s_layout)  # [1, BM]
     dp_t = warpgroup_mma(v_half, do.permute((1, 0)), s_zero - delta, is_async=True)
     dv, dp_t = warpgroup_mma_wait(0, deps=(dv, dp_t))
@@ -408,7 +410,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     fence_async_shared()
     if not DQ_TRAILS:
         mbarrier.arrive(ds_ready.index(i % NUM_DS))
-    dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
     if DBIAS and DBIAS_FROM_DS:
         # read while the dK wgmma reads it too
         _store_ds_tile(ds_own, dbias_cols + start_m.to(gl.int64) * stride_dbm, stride_dbm,
@@ -446,7 +448,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
 def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_steps, rows_smem,
                  q_smem,
                  do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                 p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+                 ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
                  dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
                  qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
                  stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
@@ -467,7 +469,7 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
     for j in range(steps_begin, steps_end):
         dk, dv, dbias_keys, prev_tile_m = _query_tile(
             i, first + j, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-            p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+            ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
             dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
             qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
             stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
@@ -485,7 +487,7 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
 
 @gluon.jit
 def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-                   v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
+                   v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
                    ds_ready, kv_done, off_b, q_start, k_start, off_hk, start_n, first_m,
                    first_full, last_full,
                    end_m, num_m_tiles, group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
@@ -585,7 +587,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     run_ends[run], run_ends[run + 1], i, prev_tile_m, prev_head, first,
                     num_steps, rows_smem,
                     q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
-                    k_dq0, k_dq1, p_smem, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
+                    k_dq0, k_dq1, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
                     ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, q_start, head,
                     seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
                     stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
@@ -762,8 +764,6 @@ def _bwd_hopper_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_DS, BLOCK_N, BLOCK_M], ds_layout)
-    p_smem0 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
-    p_smem1 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N // 2, BLOCK_M], ds_layout)
     # dQ staging per consumer: two boxes laid out like the dQ descriptor's block
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                          dq_desc.layout)
@@ -798,7 +798,7 @@ def _bwd_hopper_kernel(
 
     gl.warp_specialize([
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
-                          k_smem, v_smem, p_smem0, ds_smem, dq_smem0, kv_ready, q_ready,
+                          k_smem, v_smem, ds_smem, dq_smem0, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
                           start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
                           seqlen_q, seqlen_k,
@@ -816,7 +816,7 @@ def _bwd_hopper_kernel(
                           BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
-                          k_smem, v_smem, p_smem1, ds_smem, dq_smem1, kv_ready, q_ready,
+                          k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready,
                           do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
                           start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
                           seqlen_q, seqlen_k,

@@ -258,8 +258,10 @@ _FWD_HOPPER_FULL_BIAS = {
 # conversion), do_bench, against bwd.py in the same process (2026-11-23), ms: dense B2 H16 4k
 # 1.545-1.551 (bwd.py 1.720), causal 4k 0.853-0.863 (0.963), dense B1 H16 16k 11.3-12.2 (13.08),
 # GQA 32/8 causal 8k 3.19-3.21 (3.65). 64-row q tiles: S^T and dP^T [64 keys, 64 rows] per
-# consumer beside dK and dV (128 registers); P^T as a register operand or S^T and dP^T in flight
-# together spilled at 240 registers (dense 4k 1.87-2.03)
+# consumer beside dK and dV (128 registers); S^T and dP^T in flight together spilled at 240
+# registers (dense 4k 1.87-2.03). P^T and dS^T as register operands of dV and dK, not through
+# shared memory (2026-11-25, backward kernel ms by profiler, shared / registers): dense 4k 1.346
+# / 1.258, causal 4k 0.745 / 0.687, dense 16k 10.81 / 9.69, causal 16k 5.20 / 4.90
 # D256 (bwd_hopper_wide.py): 64 keys per program, 64-row q tiles, two q / dO buffers (224 KB of
 # shared memory with K and V); S and dP split by keys between the consumers, dK / dV / dQ by head
 # dim (one consumer's registers cannot hold dK and dV of 64 keys at D256). H100, B2 H16 4k,
