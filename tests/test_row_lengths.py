@@ -302,6 +302,9 @@ GLUON_VARLEN = [
     ([700, 64, 333], [650, 64, 400], 8, 2, 128, torch.bfloat16, False, (100, 0)),
     ([1, 17, 255, 300], [1, 40, 200, 301], 4, 2, 256, torch.bfloat16, True, None),
     ([129, 0, 64, 77, 200], [100, 50, 0, 200, 130], 4, 1, 256, torch.float16, False, (60, 20)),
+    ([1, 17, 113, 255, 300, 0, 129], [1, 40, 113, 200, 300, 70, 0], 4, 2, 64, torch.bfloat16,
+     True, None),
+    ([700, 64, 333], [650, 64, 400], 8, 8, 64, torch.float16, False, (100, 0)),
 ]
 
 
@@ -311,9 +314,10 @@ GLUON_VARLEN = [
 def test_gluon_varlen(gluon_calls, case):
     """Packed sequences on the Gluon kernels: tiles read from each sequence's first row (what a
     tile reads of the next sequence dropped), out / dK / dV of a tile cut by the sequence's end
-    stored without TMA, dQ summed at each sequence's rows."""
+    stored without TMA, dQ summed at each sequence's rows. At head dim 64 the forward is
+    fwd.py's (the Gluon one takes plain calls only there)."""
     run_varlen(*case, with_row_lens=False)
-    assert gluon_calls == ["fwd", "bwd"], gluon_calls
+    assert gluon_calls == (["bwd"] if case[4] == 64 else ["fwd", "bwd"]), gluon_calls
 
 
 @pytest.mark.gpu

@@ -867,23 +867,14 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if hopper_backward_splits_head_dim(q.shape[-1]) \
             and (schedule is not None or mask is not None or bias is not None):
         return False
-    # head dim 64: only calls with a bias, where bwd.py's tiles are small. H100, bf16, B2 H16
-    # 4k, GPU ms of fwd+bwd calls (fwd.py's forward) with the Triton / Gluon backward
-    # (2026-11-24): key bias 1.482 / 1.417, causal + key bias 0.923 / 0.810, full bias 2.588 /
-    # 2.247, causal + full bias 1.731 / 1.369; without one dense 1.234 / 1.301, causal 0.709 /
-    # 0.742, GQA 16/4 dense 1.253 / 1.272, causal 0.750 / 0.715, (-1, 256) 0.827 / 0.806,
-    # (1024, 0) 0.423 / 0.439, GQA 32/8 causal 8k 2.593 / 2.606, B1 16k dense 9.650 / 9.588
-    if q.shape[-1] == 64 and bias is None:
-        return False
-    # implicit left windows at D128 without GQA stay in bwd.py: the Gluon kernel is faster, but
-    # its fp32 dQ pass (zeroed by the pre-pass, converted after) costs as much on short rows.
-    # H100, bf16, B4 H16 8k, GPU ms of fwd+bwd (kernel) with the Gluon / Triton backward
-    # (2026-11-24): window (1024, 0) 2.675 (1.764) / 2.736 (2.030), (512, 512) 2.717 (1.795) /
-    # 2.681 (1.989); B1 16k (1024, 0) 1.376 / 1.399. With an element mask's lists it wins: a
-    # 75% random mask + key bias, (1024, 0), B2 H16 4k, 0.893 (0.472) / 1.042 (0.676)
-    if args.has_left and schedule is None and q.shape[-2] == k.shape[-2] \
-            and not hopper_backward_splits_head_dim(q.shape[-1]):
-        return False
+    # head dim 64 and implicit left windows without GQA (where the fp32 dQ pass, zeroed by the
+    # pre-pass and converted after, weighs most) took bwd.py until P^T and dS^T went into the
+    # wgmmas from registers. H100, bf16, GPU ms of the backward's kernels (profiler, three
+    # rounds, 2026-11-25), Triton / Gluon: D64 B2 H16 4k dense 0.911-0.980 / 0.881-0.939,
+    # causal 0.514-0.518 / 0.491-0.499, GQA 16/4 causal 0.558-0.563 / 0.475-0.476, B1 16k dense
+    # 6.86-7.55 / 6.47-6.86, causal 3.66-3.93 / 3.26-3.48, (1024, 0) B2 8k 0.636-0.685 /
+    # 0.613-0.618; D128 B2 H16 8k (1024, 0) 1.017-1.075 / 0.974-1.033, (512, 512) 1.064-1.107 /
+    # 1.013-1.060, B4 (1024, 0) 2.024-2.120 / 1.973-2.107, B1 16k 1.058-1.106 / 1.012-1.064
     # block masks too since the consumers take their tiles from the producer: H100, 16k B1 H16,
     # random block masks, backward kernel ms at density 1 / .5 / .26 / .11 (2026-11-24): Gluon
     # 11.27-11.29 / 5.67 / 2.99-3.15 / 1.32-1.34, Triton 12.34-12.40 / 6.26-6.59 / 3.25 / 1.50
