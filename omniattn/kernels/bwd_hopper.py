@@ -963,14 +963,17 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    # the row sums of a one-column dbias need scratch that the mask buffers leave no room for
-    # (232,560 of 232,448 bytes on the H100)
+    # the row sums of a one-column dbias need scratch that the mask buffers left no room for
+    # while P^T went through shared memory (232,560 of 232,448 bytes on the H100; 216,192 since:
+    # not yet run on a GPU)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
     mask_tma = None if one_column_dbias else by_tma(mask, cfg.block_m, half_n, 1)
     # H100, issue #4's full bias + top-k mask, backward kernel (profiler, 2 rounds): 1.976-1.990
     # ms with the bias loaded into the S^T layout (1032 B of spills), 1.490-1.512 by TMA (584)
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
-    # a third dS buffer (16 KB) fits beside neither the mask's ring nor that scratch
+    # a third dS buffer (16 KB) fits beside the mask's ring since P^T left shared memory, but
+    # is slower there (H100, top-k mask + full / key bias, backward kernel 1.585 / 0.814 ms
+    # against 1.442 / 0.808 with two, 2026-11-25); not beside that scratch
     dq_trails = mask_tma is None and not one_column_dbias and hopper_backward_dq_trails(
         head_dim, args.has_left, args.has_right, num_heads // num_heads_k,
         pairs_per_group if longest_first else None,

@@ -315,7 +315,10 @@ def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool, gr
     bias (1.834-1.852 / 1.839-1.848) and a key bias (0.808-0.812 / 0.809-0.811), a full bias
     without causal gains (2.576-2.613 / 2.542-2.578). Backward calls (do_bench), two
     pairs (8k) 1.583-1.586 / 1.592-1.600; one forced at 4k / 8k (slower for both) 0.915-0.917 /
-    0.918-0.920, 1.66-1.68 / 1.66-1.67."""
+    0.918-0.920, 1.66-1.68 / 1.66-1.67. Rechecked after P^T and dS^T became register operands
+    (2026-11-25, backward kernel ms, two / three): dense 4k 1.336 / 1.261, causal 4k 0.686 /
+    0.688, causal 16k 4.906 / 4.882, a full bias with causal 1.412 / 1.517, GQA 16/4 (1024, 0)
+    0.406 / 0.435: the picks stand."""
     if head_dim < 128:
         return True
     if has_left:
