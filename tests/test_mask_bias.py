@@ -202,11 +202,15 @@ GLUON_CASES = [
     # a (Sq, Sk) bias per query head the backward's consumers copy by TMA: two heads per
     # program (a copy at each head's first step), keys past Sk, beside a mask they load
     (2, 177, 200, 4, 2, torch.bfloat16, "1kqs", torch.bool, "bhqs", True, None, False),
+    # masks the backward loads by TMA beside a one-column bias (its dbias row sums in scratch)
+    (2, 256, 512, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bhq1", True, None, False),
+    (1, 200, 256, 4, 4, torch.float16, "bhqs", torch.uint8, "b1q1", False, None, True),
     # left window bounds: biases on the implicit schedule (a (Sq, Sk) dbias zeroed in the tiles
-    # left and right of the window; without GQA the backward is bwd.py's), and masks, whose
-    # lists take the Gluon backward (its PARTIAL tiles apply the left bound) and fwd.py's
-    # forward (`_explicit_schedule`), one with rows that see no key
+    # left and right of the window; with GQA and without), and masks, whose lists take the
+    # Gluon backward (its PARTIAL tiles apply the left bound) and fwd.py's forward
+    # (`_explicit_schedule`), one with rows that see no key
     (1, 512, 520, 4, 2, torch.bfloat16, None, None, "bhqs", False, (100, 150), False),
+    (1, 300, 410, 4, 4, torch.bfloat16, None, None, "bhqs", False, (100, 50), False),
     (2, 640, 640, 4, 2, torch.float16, None, None, "bh1s", True, (200, -1), False),
     (1, 300, 410, 4, 2, torch.float16, "bhqs", torch.bool, "bh1s", False, (60, 20), False),
     (2, 700, 600, 4, 2, torch.bfloat16, "bhqs", torch.bool, "bhqs", True, (250, -1), True),
@@ -232,11 +236,8 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
     # the forward takes an (Sq, Sk) bias whose rows TMA can read (2-byte elements: Sk % 8 == 0)
     expected = ([] if spans and seqlen_k % 8 else ["fwd"]) \
         + ([] if spans and bias_form[1] != "h" else ["bwd"])
-    if window is not None and window[0] >= 0:
-        if mask_form is not None:
-            expected.remove("fwd")  # fwd.py's finer tiles for lists with a left bound
-        elif heads == heads_k:
-            expected.remove("bwd")  # implicit left bounds at D128 without GQA: bwd.py's
+    if window is not None and window[0] >= 0 and mask_form is not None:
+        expected.remove("fwd")  # fwd.py's finer tiles for lists with a left bound
     assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
 
 

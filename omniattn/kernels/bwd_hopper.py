@@ -963,11 +963,12 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    # the row sums of a one-column dbias need scratch that the mask buffers left no room for
-    # while P^T went through shared memory (232,560 of 232,448 bytes on the H100; 216,192 since:
-    # not yet run on a GPU)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
-    mask_tma = None if one_column_dbias else by_tma(mask, cfg.block_m, half_n, 1)
+    # the mask's ring beside a one-column dbias's scratch fits since P^T left shared memory
+    # (216,192 bytes). H100, B2 H16 4k, backward kernel ms, mask loaded by the consumers / by
+    # TMA (3 rounds, 2026-11-25): mask .5 + (B, H, Sq, 1) bias 2.183-2.197 / 1.976-1.986, causal
+    # 1.553-1.565 / 1.135-1.152, GQA 16/4 + (B, 1, Sq, 1) 2.438-2.457 / 2.014-2.024
+    mask_tma = by_tma(mask, cfg.block_m, half_n, 1)
     # H100, issue #4's full bias + top-k mask, backward kernel (profiler, 2 rounds): 1.976-1.990
     # ms with the bias loaded into the S^T layout (1032 B of spills), 1.490-1.512 by TMA (584)
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
