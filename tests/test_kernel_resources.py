@@ -47,7 +47,8 @@ def test_forward_resources_of_the_tuned_config(tmp_path):
     ("gluon-bwd", ["--mask", "--bias", "full"], 128, "_bwd_hopper_kernel"),
     # three dS buffers (beside the mask's TMA ring the launcher keeps two), the bias tiles in them
     ("gluon-bwd", ["--bias", "full"], 128, "_bwd_hopper_kernel"),
-    # the row sums of a one-column dbias: their scratch takes the third dS buffer's room
+    # the row sums of a one-column dbias: their scratch takes the third dS buffer's room (and
+    # sits beside the mask's TMA ring)
     ("gluon-bwd", ["--mask", "--bias", "column"], 128, "_bwd_hopper_kernel"),
     ("gluon-bwd", ["--bias", "column"], 128, "_bwd_hopper_kernel"),
     ("gluon-fwd", ["--mask", "--bias", "key"], 256, "_fwd_hopper_kernel"),
