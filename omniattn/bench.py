@@ -31,7 +31,12 @@ from omniattn.kernels.fwd_hopper import gluon_candidate
 from omniattn.kernels.schedule import KernelArgs, RelativePredicate
 
 MODES = ("fwd", "fwd+bwd")
-SUITES = ("core", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")
+SUITES = ("core", "seqlen", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")
+# the "seqlen" suite keeps batch x seqlen at this many tokens (FlashAttention's papers: 16k)
+SEQLEN_SUITE_TOKENS = 16384
+# rows of one workload family at this many sequence lengths or more, each with the same batch x
+# seqlen, are drawn as time against sequence length (`plot_results`)
+MIN_SEQLEN_SERIES = 3
 # densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
 # reference their times scale against
 SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
@@ -152,6 +157,17 @@ def _core_suite(cuda: bool) -> list[Workload]:
     return _dense_and_causal([(1, 256), (1, 512)], 4, 64, torch.float32)
 
 
+def _seqlen_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        tokens, heads, head_dim, dtype = SEQLEN_SUITE_TOKENS, 16, 128, torch.bfloat16
+        seqlens = (1024, 2048, 4096, 8192, 16384)
+    else:
+        tokens, heads, head_dim, dtype = 256, 4, 64, torch.float32
+        seqlens = (64, 128, 256)
+    return _dense_and_causal([(tokens // seqlen, seqlen) for seqlen in seqlens], heads, head_dim,
+                             dtype)
+
+
 def _sparse_suite(cuda: bool) -> list[Workload]:
     if cuda:
         batch, seqlen, heads, head_dim, dtype, block_size = 1, 16384, 16, 128, torch.bfloat16, 128
@@ -233,15 +249,17 @@ def _varlen_suite(cuda: bool) -> list[Workload]:
             for head_dim in head_dims for documents in DOCUMENTS for causal in (False, True)]
 
 
-_SUITE_BUILDERS = {"core": _core_suite, "sparse": _sparse_suite, "gqa": _gqa_suite,
-                   "headdim": _headdim_suite, "dynamic": _dynamic_suite, "rows": _rows_suite,
-                   "window": _window_suite, "varlen": _varlen_suite}
+_SUITE_BUILDERS = {"core": _core_suite, "seqlen": _seqlen_suite, "sparse": _sparse_suite,
+                   "gqa": _gqa_suite, "headdim": _headdim_suite, "dynamic": _dynamic_suite,
+                   "rows": _rows_suite, "window": _window_suite, "varlen": _varlen_suite}
 
 
 def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
     """Workloads of one suite, or of all of them with suite="all":
 
     core: dense and causal, 4k B2 and 16k B1, H16 D128 (the FlashAttention-style suite);
+    seqlen: dense and causal at sequence lengths 1k-16k, batch x seqlen = SEQLEN_SUITE_TOKENS,
+    H16 D128 (plotted as time against sequence length);
     sparse: 16k B1 H16 D128 under random 128 x 128 block masks at each of SPARSE_DENSITIES;
     gqa: causal 8k B1, 32 query heads on 8 key/value heads, D128;
     headdim: dense and causal 4k B2 H16 at D 64 and D 256;
@@ -254,10 +272,12 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     varlen: 16k tokens H16 D128 and D256 packed from documents of 128-4096 or 32-1024 tokens
     (cu_seqlens), each attended alone, dense or causal.
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
-    numbers say nothing about the GPU kernels)."""
+    numbers say nothing about the GPU kernels). "all": every suite's workloads, each once (the
+    seqlen suite shares shapes with core and rows)."""
     cuda = torch.device(device).type == "cuda"
     if suite == "all":
-        return [workload for build in _SUITE_BUILDERS.values() for workload in build(cuda)]
+        return list(dict.fromkeys(workload for build in _SUITE_BUILDERS.values()
+                                  for workload in build(cuda)))
     if suite not in _SUITE_BUILDERS:
         raise ValueError(f"unknown suite {suite!r}; choose from {[*SUITES, 'all']}")
     return _SUITE_BUILDERS[suite](cuda)
@@ -1013,8 +1033,10 @@ def _rows_notes(results: list[dict]) -> list[str]:
 
 def plot_results(results: list[dict], path: str | Path, device: str | None = None) -> None:
     """PNG at `path`, one column per mode: time (ms) against density for the sparse rows, one
-    line per provider (top), and TFLOP/s of the other rows as bars grouped by workload (bottom).
-    Rows without a time (errors) are left out. `device` names the GPU in the title (default: this
+    line per provider (top); time against sequence length for the rows of a workload family
+    measured at MIN_SEQLEN_SERIES or more lengths with the same batch x seqlen (the seqlen suite);
+    and TFLOP/s of the other rows as bars grouped by workload (bottom). Rows without a time
+    (errors) are left out. `device` names the GPU in the title (default: this
     machine's). Needs matplotlib (imported here, not with the module); raises ValueError if no
     row has a time."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
@@ -1024,8 +1046,10 @@ def plot_results(results: list[dict], path: str | Path, device: str | None = Non
         raise ValueError("no run has a time to plot")
     modes = list(dict.fromkeys(r["mode"] for r in timed))
     sparse = [r for r in timed if r["density"] is not None]
-    others = [r for r in timed if r["density"] is None]
+    series = [r for r in timed if r["density"] is None and _in_seqlen_series(r, timed)]
+    others = [r for r in timed if r["density"] is None and r not in series]
     panel_rows = [(draw, rows) for draw, rows in ((_plot_time_vs_density, sparse),
+                                                  (_plot_time_vs_seqlen, series),
                                                   (_plot_tflops_bars, others)) if rows]
     fig = Figure(figsize=(7 * len(modes), 4.5 * len(panel_rows)), layout="constrained")
     axes = fig.subplots(len(panel_rows), len(modes), squeeze=False)
@@ -1062,6 +1086,59 @@ def _plot_time_vs_density(ax, rows: list[dict], mode: str) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
+
+
+# what a workload family shares across the sequence lengths of a series, besides its tokens
+_FAMILY_FIELDS = ("heads", "heads_k", "head_dim", "causal", "dtype", "density", "block_size",
+                  "topk", "bias", "row_lengths", "window", "documents")
+
+
+def _family(r: dict) -> tuple:
+    # records read back from JSON hold windows as lists
+    return tuple(tuple(r[f]) if isinstance(r[f], list) else r[f] for f in _FAMILY_FIELDS) \
+        + (r["batch"] * r["seqlen_q"],)
+
+
+def _in_seqlen_series(r: dict, rows: list[dict]) -> bool:
+    """Whether r's family (its fields but the shape, at the same batch x seqlen) was measured at
+    MIN_SEQLEN_SERIES or more sequence lengths among rows."""
+    family = _family(r)
+    seqlens = {(o["seqlen_q"], o["seqlen_k"]) for o in rows if _family(o) == family}
+    return len(seqlens) >= MIN_SEQLEN_SERIES
+
+
+def _plot_time_vs_seqlen(ax, rows: list[dict], mode: str) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    families = list(dict.fromkeys(_family(r) for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    colors = [f"C{i}" for i in range(len(providers))]  # as the bars: a colour per provider
+    styles = ["-", "--", ":", "-."]
+    for f, family in enumerate(families):
+        mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r["seqlen_q"])
+        kind = "causal" if mine[0]["causal"] else "dense"
+        if len(families) > 2:
+            kind += f" {_shape_label(mine[0]).split(' ', 1)[1]}"
+        for p, provider in enumerate(providers):
+            points = [(r["seqlen_q"], r["ms"]) for r in mine if r["provider"] == provider]
+            if points:
+                ax.plot(*zip(*points), marker="o", color=colors[p],
+                        linestyle=styles[f % len(styles)], label=f"{provider} {kind}")
+    first = rows[0]
+    heads = f"H{first['heads']}" if first["heads"] == first["heads_k"] \
+        else f"H{first['heads']}/{first['heads_k']}"
+    ax.set_title(f"{mode}: time against sequence length\n{first['batch'] * first['seqlen_q']} "
+                 f"tokens per call (batch x seqlen), {heads} D{first['head_dim']} "
+                 f"{first['dtype']}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)  # time doubles with the length at a fixed token count
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    seqlens = sorted({r["seqlen_q"] for r in rows})
+    ax.set_xticks(seqlens, [f"{s // 1024}k" if s % 1024 == 0 else str(s) for s in seqlens])
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("time (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small", ncol=2)
 
 
 def _plot_tflops_bars(ax, rows: list[dict], mode: str) -> None:

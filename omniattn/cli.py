@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--json", metavar="PATH", help="also write environment and results")
     bench_parser.add_argument("--plot", metavar="PATH",
                               help="also draw a PNG: time against density for the sparse suite, "
-                                   "TFLOP/s per workload for the others (needs matplotlib)")
+                                   "against sequence length for the seqlen suite, TFLOP/s per "
+                                   "workload for the others (needs matplotlib)")
     bench_parser.add_argument("--providers", type=_comma_list(PROVIDERS), default=None,
                               help=f"comma-separated, from {','.join(PROVIDERS)} "
                                    f"(default: those suited to the device)")

@@ -410,10 +410,15 @@ def test_window_workload_validation(causal, fields, match):
 def test_every_suite_constructs(device):
     suites = {suite: bench.default_workloads(device, suite) for suite in bench.SUITES}
     assert all(suites.values())
-    assert bench.default_workloads(device, "all") == [w for ws in suites.values() for w in ws]
+    # the seqlen suite shares shapes with core and rows: "all" runs each once
+    assert bench.default_workloads(device, "all") == list(dict.fromkeys(
+        w for ws in suites.values() for w in ws))
     names = [w.name for w in bench.default_workloads(device, "all")]
     assert len(names) == len(set(names))
     assert bench.default_workloads(device) == suites["core"]
+    assert len({w.batch * w.seqlen_q for w in suites["seqlen"]}) == 1
+    assert len({w.seqlen_q for w in suites["seqlen"]}) >= bench.MIN_SEQLEN_SERIES
+    assert [w.causal for w in suites["seqlen"]] == [False, True] * (len(suites["seqlen"]) // 2)
     assert [w.density for w in suites["sparse"]] == list(bench.SPARSE_DENSITIES)
     assert all(w.heads != w.heads_k and w.causal for w in suites["gqa"])
     assert {w.head_dim for w in suites["headdim"]} == {64, 256}
@@ -452,6 +457,15 @@ def test_core_suite_is_unchanged_on_gpu():
         ("dense-b1-s16384", 1, 16384, 16, 128, torch.bfloat16),
         ("causal-b1-s16384", 1, 16384, 16, 128, torch.bfloat16),
     ]
+
+
+def test_seqlen_suite_on_gpu():
+    """Dense and causal H16 D128 bf16 at 1k-16k, 16k tokens per call (FlashAttention's papers'
+    form)."""
+    seqlen = bench.default_workloads("cuda", "seqlen")
+    assert [(w.name, w.batch, w.seqlen_q, w.heads, w.head_dim, w.dtype) for w in seqlen] == [
+        (f"{kind}-b{16384 // s}-s{s}", 16384 // s, s, 16, 128, torch.bfloat16)
+        for s in (1024, 2048, 4096, 8192, 16384) for kind in ("dense", "causal")]
 
 
 def test_dynamic_suite_on_gpu():
@@ -558,6 +572,38 @@ def test_plot_writes_png(tiny_results, tmp_path):
     path = tmp_path / "bench.png"
     bench.plot_results(tiny_results, path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_draws_time_against_seqlen(tmp_path, monkeypatch):
+    """Rows of one family at MIN_SEQLEN_SERIES lengths with the same batch x seqlen are drawn
+    as time against sequence length, not as bars; the same family at other token counts, or at
+    fewer lengths, stays in the bars. Records read back from JSON (windows as lists) draw too."""
+    pytest.importorskip("matplotlib")
+    series = [bench.Workload(f"{'causal' if causal else 'dense'}-b{256 // s}-s{s}", 256 // s, s,
+                             s, 2, 2, 16, causal, torch.float32)
+              for s in (32, 64, 128) for causal in (False, True)]
+    others = [bench.Workload("dense-b1-s32", 1, 32, 32, 2, 2, 16, False, torch.float32),
+              bench.Workload("dense-b1-s64", 1, 64, 64, 2, 2, 16, False, torch.float32),
+              _tiny_window("tiny-window", (16, 0))]
+    results = bench.run_suite(series + others, providers=["omniattn", "sdpa-math"],
+                              modes=("fwd",), progress=False, device="cpu")
+    in_series = {r["name"] for r in results if bench._in_seqlen_series(r, results)}
+    assert in_series == {w.name for w in series}
+    drawn = []
+    monkeypatch.setattr(bench, "_plot_time_vs_seqlen",
+                        lambda ax, rows, mode: drawn.append(("seqlen", [r["name"] for r in rows])))
+    monkeypatch.setattr(bench, "_plot_tflops_bars",
+                        lambda ax, rows, mode: drawn.append(("bars", [r["name"] for r in rows])))
+    bench.plot_results(results, tmp_path / "mocked.png")
+    assert [kind for kind, _ in drawn] == ["seqlen", "bars"]
+    assert set(drawn[0][1]) == in_series
+    assert set(drawn[1][1]) == {w.name for w in others}
+    monkeypatch.undo()
+    path = tmp_path / "record.json"
+    bench.write_json(path, results)
+    loaded, _ = bench.load_records([path])
+    bench.plot_results(loaded, tmp_path / "seqlen.png")
+    assert (tmp_path / "seqlen.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_load_records_and_plot_command(tiny_results, tmp_path, monkeypatch, capsys):
