@@ -15,6 +15,7 @@ import datetime
 import functools
 import json
 import platform
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -1107,6 +1108,11 @@ def _in_seqlen_series(r: dict, rows: list[dict]) -> bool:
     return len(seqlens) >= MIN_SEQLEN_SERIES
 
 
+def _series_shape(r: dict) -> str:
+    heads = f"H{r['heads']}" if r["heads"] == r["heads_k"] else f"H{r['heads']}/{r['heads_k']}"
+    return f"{heads} D{r['head_dim']} {r['dtype']}, {r['batch'] * r['seqlen_q']} tokens per call"
+
+
 def _plot_time_vs_seqlen(ax, rows: list[dict], mode: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
@@ -1114,22 +1120,20 @@ def _plot_time_vs_seqlen(ax, rows: list[dict], mode: str) -> None:
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     colors = [f"C{i}" for i in range(len(providers))]  # as the bars: a colour per provider
     styles = ["-", "--", ":", "-."]
+    shapes = list(dict.fromkeys(_series_shape(r) for r in rows))
     for f, family in enumerate(families):
         mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r["seqlen_q"])
-        kind = "causal" if mine[0]["causal"] else "dense"
-        if len(families) > 2:
-            kind += f" {_shape_label(mine[0]).split(' ', 1)[1]}"
+        # the workload's name without its batch and length: "dense", "causal", "sliding1024"
+        label = re.sub(r"-b\d+-s\d+", "", mine[0]["name"])
+        if len(shapes) > 1:
+            label += f" ({_series_shape(mine[0])})"
         for p, provider in enumerate(providers):
             points = [(r["seqlen_q"], r["ms"]) for r in mine if r["provider"] == provider]
             if points:
                 ax.plot(*zip(*points), marker="o", color=colors[p],
-                        linestyle=styles[f % len(styles)], label=f"{provider} {kind}")
-    first = rows[0]
-    heads = f"H{first['heads']}" if first["heads"] == first["heads_k"] \
-        else f"H{first['heads']}/{first['heads_k']}"
-    ax.set_title(f"{mode}: time against sequence length\n{first['batch'] * first['seqlen_q']} "
-                 f"tokens per call (batch x seqlen), {heads} D{first['head_dim']} "
-                 f"{first['dtype']}")
+                        linestyle=styles[f % len(styles)], label=f"{provider} {label}")
+    ax.set_title(f"{mode}: time against sequence length"
+                 + (f"\n{shapes[0]} (batch x seqlen)" if len(shapes) == 1 else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)  # time doubles with the length at a fixed token count
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
