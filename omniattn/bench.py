@@ -1047,8 +1047,9 @@ def plot_results(results: list[dict], path: str | Path, device: str | None = Non
         raise ValueError("no run has a time to plot")
     modes = list(dict.fromkeys(r["mode"] for r in timed))
     sparse = [r for r in timed if r["density"] is not None]
-    series = [r for r in timed if r["density"] is None and _in_seqlen_series(r, timed)]
-    others = [r for r in timed if r["density"] is None and r not in series]
+    series_families = _seqlen_series_families(timed)
+    series = [r for r in timed if r["density"] is None and _family(r) in series_families]
+    others = [r for r in timed if r["density"] is None and _family(r) not in series_families]
     panel_rows = [(draw, rows) for draw, rows in ((_plot_time_vs_density, sparse),
                                                   (_plot_time_vs_seqlen, series),
                                                   (_plot_tflops_bars, others)) if rows]
@@ -1065,9 +1066,12 @@ def plot_results(results: list[dict], path: str | Path, device: str | None = Non
     fig.savefig(path, dpi=120)
 
 
+def _heads_label(r: dict) -> str:
+    return f"H{r['heads']}" if r["heads"] == r["heads_k"] else f"H{r['heads']}/{r['heads_k']}"
+
+
 def _shape_label(r: dict) -> str:
-    heads = f"H{r['heads']}" if r["heads"] == r["heads_k"] else f"H{r['heads']}/{r['heads_k']}"
-    return f"B{r['batch']} {heads} S{r['seqlen_q']} D{r['head_dim']} {r['dtype']}"
+    return f"B{r['batch']} {_heads_label(r)} S{r['seqlen_q']} D{r['head_dim']} {r['dtype']}"
 
 
 def _plot_time_vs_density(ax, rows: list[dict], mode: str) -> None:
@@ -1100,17 +1104,18 @@ def _family(r: dict) -> tuple:
         + (r["batch"] * r["seqlen_q"],)
 
 
-def _in_seqlen_series(r: dict, rows: list[dict]) -> bool:
-    """Whether r's family (its fields but the shape, at the same batch x seqlen) was measured at
-    MIN_SEQLEN_SERIES or more sequence lengths among rows."""
-    family = _family(r)
-    seqlens = {(o["seqlen_q"], o["seqlen_k"]) for o in rows if _family(o) == family}
-    return len(seqlens) >= MIN_SEQLEN_SERIES
+def _seqlen_series_families(rows: list[dict]) -> set[tuple]:
+    """The families (`_family`: fields but the shape, at one batch x seqlen) that rows measured
+    at MIN_SEQLEN_SERIES or more sequence lengths."""
+    seqlens = {}
+    for r in rows:
+        seqlens.setdefault(_family(r), set()).add((r["seqlen_q"], r["seqlen_k"]))
+    return {family for family, lengths in seqlens.items() if len(lengths) >= MIN_SEQLEN_SERIES}
 
 
 def _series_shape(r: dict) -> str:
-    heads = f"H{r['heads']}" if r["heads"] == r["heads_k"] else f"H{r['heads']}/{r['heads_k']}"
-    return f"{heads} D{r['head_dim']} {r['dtype']}, {r['batch'] * r['seqlen_q']} tokens per call"
+    return (f"{_heads_label(r)} D{r['head_dim']} {r['dtype']}, {r['batch'] * r['seqlen_q']} "
+            f"tokens per call")
 
 
 def _plot_time_vs_seqlen(ax, rows: list[dict], mode: str) -> None:
