@@ -930,10 +930,13 @@ def environment_info() -> dict:
     }
 
 
-def _header(results: list[dict]) -> str:
+def _header(results: list[dict], tflops: bool = True) -> str:
+    """`tflops=False` for a plot with no TFLOP/s panel: its times need no FLOP convention."""
     if any(r["device"] == "cpu" for r in results):
         path = "Triton interpreter" if interpreting() else "reference path"
         return f"CPU: omniattn {path} vs SDPA math; not a GPU benchmark"
+    if not tflops:
+        return "GPU: median time per call"
     return "GPU: TFLOP/s = FLOPs of the tiles omniattn computes / time, for every provider"
 
 
@@ -1062,7 +1065,8 @@ def plot_results(results: list[dict], path: str | Path, device: str | None = Non
                 draw(ax, mode_rows, mode)
             else:  # every run of this mode failed
                 ax.set_visible(False)
-    fig.suptitle(f"{_header(results)} ({device or device_name()})")
+    has_bars = panel_rows[-1][0] is _plot_tflops_bars
+    fig.suptitle(f"{_header(results, tflops=has_bars)} ({device or device_name()})")
     fig.savefig(path, dpi=120)
 
 

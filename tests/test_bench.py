@@ -599,6 +599,8 @@ def test_plot_draws_time_against_seqlen(tmp_path, monkeypatch):
     assert [kind for kind, _ in drawn] == ["seqlen", "bars"]
     assert set(drawn[0][1]) == in_series
     assert set(drawn[1][1]) == {w.name for w in others}
+    gpu_rows = [dict(r, device="cuda") for r in results]  # a plot of times alone has no FLOPs
+    assert "TFLOP/s" in bench._header(gpu_rows) and "TFLOP/s" not in bench._header(gpu_rows, False)
     monkeypatch.undo()
     path = tmp_path / "record.json"
     bench.write_json(path, results)
