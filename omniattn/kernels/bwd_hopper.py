@@ -31,7 +31,8 @@ from triton._C.libtriton import ir
 
 from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
 from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
-                      hopper_backward_dq_trails, hopper_backward_splits_head_dim, sm_count)
+                      hopper_backward_dq_trails, hopper_backward_p_rounding,
+                      hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
 from .fwd_hopper import (_copy_tile, _descriptor, _flat_rows, _load_tile, _scatter_rows,
                          _tile_at, by_tma, flat_launch, flat_view_bounds, gluon_candidate,
@@ -55,6 +56,20 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
                                               coord, src.handle)
+
+
+@gluon.jit
+def _round_in_pairs(x, dtype: gl.constexpr):
+    """fp32 x rounded to dtype (bf16 / fp16), two elements per conversion (round to nearest
+    even, as `.to`). P^T's `.to` came out as one scalar F2F per element, as slow as the step's
+    exp2, because dS^T read the rounded values back one by one; the asm's packed result keeps
+    them paired."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x],
+                                         dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -294,7 +309,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
                 MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                 HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+                EVEN_M: gl.constexpr,
                 EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                 HALF_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
@@ -310,7 +326,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     also drop the keys past each row's length (lens_rows: the batch's lengths, rows in length
     order). Explicit schedules read the step's tile_m (and the next step's) from rows_smem once its
     q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step (prev_tile_m of head
-    prev_head) is computed in this one. Returns (dk, dv, dbias_keys, tile_m)."""
+    prev_head) is computed in this one. P_ROUNDING: how P^T is rounded for dV and which P^T dS^T
+    takes (`hopper_backward_p_rounding`). Returns (dk, dv, dbias_keys, tile_m)."""
     DQ_TRAILS: gl.constexpr = NUM_DS > 2
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
@@ -378,20 +395,26 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             p_t = gl.where(keys[:, None] >= (start_m + local_m)[None, :] + diag_left, p_t, 0.0)
         if ROW_ORDER:
             p_t = gl.where(keys[:, None] < row_ends[None, :], p_t, 0.0)
-    # P^T (bf16 from here on: dS^T uses it too) and dS^T are the A operands of dV and dK from
-    # registers: through shared memory each took a store, a fence and a warpgroup barrier per
-    # step (H100, backward kernel 6-10% slower, 2026-11-25). dP^T after P^T: S^T and dP^T in
-    # flight together, with P^T in fp32, left the consumer short of registers
+    # P^T rounded (P_ROUNDING: `hopper_backward_p_rounding`) and dS^T are the A operands of dV
+    # and dK from registers: through shared memory each took a store, a fence and a warpgroup
+    # barrier per step (H100, backward kernel 6-10% slower, 2026-11-25). dP^T after P^T: S^T and
+    # dP^T in flight together, with P^T in fp32, left the consumer short of registers
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout,
                                                  k_width=2)
-    p_t = p_t.to(q.dtype)
+    if P_ROUNDING == 0:
+        p_round = p_t.to(q.dtype)
+    else:
+        p_round = _round_in_pairs(p_t, q.dtype)
     # dO must have landed before the dV matmul reads it (issued first, it raced the copy)
     mbarrier.wait(do_ready.index(buf), phase)
-    dv = warpgroup_mma(gl.convert_layout(p_t, a_layout), do, dv, is_async=True)
+    dv = warpgroup_mma(gl.convert_layout(p_round, a_layout), do, dv, is_async=True)
     delta = delta_smem.index(buf).load(s_layout)  # [1, BM]
     dp_t = warpgroup_mma(v_half, do.permute((1, 0)), s_zero - delta, is_async=True)
     dv, dp_t = warpgroup_mma_wait(0, deps=(dv, dp_t))
-    ds_t = p_t.to(gl.float32) * dp_t  # [BN/2, BM], d loss / d (score + bias)
+    if P_ROUNDING == 2:
+        ds_t = p_t * dp_t  # [BN/2, BM], d loss / d (score + bias)
+    else:
+        ds_t = p_round.to(gl.float32) * dp_t
     if DBIAS:
         if BIAS_ROWS_SHARED and BIAS_COLS_SHARED:
             gl.atomic_add(dbias_cols, gl.sum(gl.sum(ds_t, 1), 0), sem="relaxed")
@@ -458,7 +481,8 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
                  HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
                  MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                  BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+                 EVEN_M: gl.constexpr,
                  EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                  HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                  NUM_DS: gl.constexpr, FLAT: gl.constexpr, s_layout: gl.constexpr,
@@ -477,7 +501,8 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
             lens_rows, MASKED, KEY_END, HAS_LEFT,
             HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
             MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M,
+            HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
+            P_ROUNDING, EVEN_M,
             EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
             dq_layout)
         prev_head = head
@@ -503,7 +528,8 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
                    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                   DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, EVEN_M: gl.constexpr,
+                   DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+                   EVEN_M: gl.constexpr,
                    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
                    FLAT: gl.constexpr):
@@ -596,6 +622,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA,
                     MASK_ROWS_SHARED, MASK_COLS_SHARED,
                     HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
+                    P_ROUNDING,
                     EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
                     s_layout, dq_layout)
         if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
@@ -696,6 +723,7 @@ def _bwd_hopper_kernel(
     MASK_COLS_SHARED: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
     BIAS_COLS_SHARED: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
+    P_ROUNDING: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr, FLAT: gl.constexpr,
@@ -813,7 +841,8 @@ def _bwd_hopper_kernel(
                           ROW_ORDER, PACKED,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
+                          BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
                           k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready,
@@ -831,7 +860,8 @@ def _bwd_hopper_kernel(
                           ROW_ORDER, PACKED,
                           HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
                           BIAS_TMA, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, EVEN_M, EVEN_N, BLOCK_M,
+                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
+                          BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
@@ -1005,7 +1035,12 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         and dbias[0].dtype == q.dtype,
         EVEN_M=even and seqlen_q % cfg.block_m == 0, EVEN_N=even and seqlen_k % cfg.block_n == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_BUF=cfg.num_buffers,
-        NUM_DS=3 if dq_trails else 2, FLAT=flat, CONSUMER_REGS=cfg.consumer_regs,
+        NUM_DS=3 if dq_trails else 2, FLAT=flat,
+        P_ROUNDING=hopper_backward_p_rounding(
+            dq_trails, schedule is not None,
+            bias is not None and bias.rows_shared and not bias.cols_shared,
+            bias is not None and bias.spans_queries_and_keys),
+        CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         num_warps=4)
     rows_to_callers(dq_sum, row_order, dq)

@@ -326,6 +326,33 @@ def hopper_backward_dq_trails(head_dim: int, has_left: bool, has_right: bool, gr
     return not has_right or group > 1 or (pairs_per_group == 1 and not full_bias)
 
 
+def hopper_backward_p_rounding(dq_trails: bool, listed: bool, key_bias: bool,
+                               full_bias: bool) -> int:
+    """How the Gluon backward (head dims 64, 128) rounds a step's P^T for the dV matmul, and
+    which P^T its dS^T = P^T (dP^T - delta) takes: 0, one conversion per element (ptxas makes
+    it a scalar F2F, as slow as the exp2) and dS^T from the rounded values; 1, two elements per
+    conversion, dS^T from the rounded values (read back in pairs); 2, two per conversion, dS^T
+    from P^T in fp32 (unrounded: closer to exact). listed: the call walks schedule lists (an
+    element mask's or a block mask's). 1 and 2 cut the spills of every form (dense 104 -> 4 /
+    112 bytes, causal 16k 232 -> 72 / 240, mask + key bias 264 -> 120 / 224). H100, bf16,
+    backward kernel ms (profiler, one host, 2026-11-25), 0 / 1 / 2, two rounds: dense B2 H16 4k
+    1.258-1.288 / 1.233-1.234 / 1.192-1.194, dense B1 16k 10.25-10.49 / 10.10-10.30 /
+    9.76-9.97, causal 16k (dQ trails) 4.91-5.02 / 5.27-5.32 / 4.88-5.06, GQA 32/8 causal 8k
+    2.433 / 2.380-2.385 / 2.302-2.319, dense B16 1k 0.696-0.704 / 0.671-0.678 / 0.662-0.669, D64
+    dense 4k 0.823-0.833 / 0.792-0.801 / 0.757-0.765; with two dS buffers: causal 4k
+    0.684-0.689 / 0.656-0.661 / 0.681-0.686, (1024, 0) window 8k 0.813-0.818 / 0.746-0.753 /
+    0.765-0.774, mask .5 + full bias 4k 2.199-2.231 / 2.139-2.173 / 2.195-2.230, mask .5 + key
+    bias 4k 1.370-1.378 / 1.423-1.426 / 1.475-1.479. One round: key bias 4k 1.316 / 1.281 /
+    1.246, full bias 4k 2.421 / 2.114 / 2.287, with causal 1.409 / 1.305 / 1.398, block masks
+    16k at density 1 / .11 10.20 / 9.97 / 9.46 and 1.307 / 1.084 / 1.168, issue #4's top-k mask
+    + key bias 0.815 / 0.865 / 0.858, + full bias 1.448 / 1.466 / 1.492, per-row lengths B2 8k,
+    uniform / i + 1, 2.577 / 2.538, 2.330 / 2.309, 2.343 / 2.326, packed documents (varlen
+    suite) 1 and 2 within 2-5% of each other, 0 3-10% behind."""
+    if key_bias and not dq_trails:
+        return 0
+    return 2 if dq_trails and not listed and not full_bias else 1
+
+
 def hopper_backward_splits_head_dim(head_dim: int) -> bool:
     """Whether the Gluon backward at this head dim is bwd_hopper_wide's (dK / dV / dQ split by
     head dim between the consumers; no lists, masks or biases)."""
