@@ -347,7 +347,9 @@ def hopper_backward_p_rounding(dq_trails: bool, listed: bool, key_bias: bool,
     16k at density 1 / .11 10.20 / 9.97 / 9.46 and 1.307 / 1.084 / 1.168, issue #4's top-k mask
     + key bias 0.815 / 0.865 / 0.858, + full bias 1.448 / 1.466 / 1.492, per-row lengths B2 8k,
     uniform / i + 1, 2.577 / 2.538, 2.330 / 2.309, 2.343 / 2.326, packed documents (varlen
-    suite) 1 and 2 within 2-5% of each other, 0 3-10% behind."""
+    suite) 1 and 2 within 2-5% of each other, 0 3-10% behind. Taken: 0 for a key bias with two
+    dS buffers (measured with an element mask), 2 where the dQ trails without lists or a full
+    bias, 1 elsewhere."""
     if key_bias and not dq_trails:
         return 0
     return 2 if dq_trails and not listed and not full_bias else 1
