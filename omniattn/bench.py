@@ -1065,8 +1065,7 @@ def plot_results(results: list[dict], path: str | Path, device: str | None = Non
                 draw(ax, mode_rows, mode)
             else:  # every run of this mode failed
                 ax.set_visible(False)
-    has_bars = panel_rows[-1][0] is _plot_tflops_bars
-    fig.suptitle(f"{_header(results, tflops=has_bars)} ({device or device_name()})")
+    fig.suptitle(f"{_header(results, tflops=bool(others))} ({device or device_name()})")
     fig.savefig(path, dpi=120)
 
 
@@ -1125,13 +1124,14 @@ def _series_shape(r: dict) -> str:
 def _plot_time_vs_seqlen(ax, rows: list[dict], mode: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
-    families = list(dict.fromkeys(_family(r) for r in rows))
+    series = {}  # family -> its rows by sequence length
+    for r in sorted(rows, key=lambda r: r["seqlen_q"]):
+        series.setdefault(_family(r), []).append(r)
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     colors = [f"C{i}" for i in range(len(providers))]  # as the bars: a colour per provider
     styles = ["-", "--", ":", "-."]
     shapes = list(dict.fromkeys(_series_shape(r) for r in rows))
-    for f, family in enumerate(families):
-        mine = sorted((r for r in rows if _family(r) == family), key=lambda r: r["seqlen_q"])
+    for f, mine in enumerate(series.values()):
         # the workload's name without its batch and length: "dense", "causal", "sliding1024"
         label = re.sub(r"-b\d+-s\d+", "", mine[0]["name"])
         if len(shapes) > 1:
