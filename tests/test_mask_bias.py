@@ -559,3 +559,36 @@ def test_full_bias_gradient_outside_the_lists(monkeypatch, deterministic, left_w
     assert (grads[3][..., : 20 * scale, : 16 * scale] == 0).all()
     check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=keep, attn_bias=bias,
                             **structure)
+
+
+@pytest.mark.parametrize("form", ["b1q1", "bhq1", "1k11", "11q1"])
+@pytest.mark.parametrize("lse_loss", [False, True], ids=["out", "out+lse"])
+def test_row_constant_bias_gradient_is_exact(form, lse_loss):
+    """A bias with one column for all keys shifts each row's scores by a constant: the output
+    does not depend on it, only lse does (d lse / d b = 1 on rows that see a key). Its gradient
+    must be exact (0 from the output alone), not the sum of rounded per-key terms."""
+    batch, heads, heads_k = 2, 4, 2
+    seqlen_q, seqlen_k, head_dim = (333, 517, 128) if GPU else (37, 45, 32)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    torch.manual_seed(3)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype)
+    shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
+    bias = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
+    row_lens = torch.randint(0, seqlen_k + 1, (batch, seqlen_q), device=DEVICE,
+                             dtype=torch.int32)
+    row_lens[:, :3] = 0  # rows that see no key
+    out, lse = omniattn.attention(q, k, v, attn_bias=bias, seqlens_k_per_row=row_lens,
+                                  causal=True, return_lse=True)
+    dlse = torch.randn_like(lse) if lse_loss else torch.zeros_like(lse)
+    (dbias,) = torch.autograd.grad((out * torch.randn_like(out)).sum() + (lse * dlse).sum(),
+                                   bias)
+    # the exact value: dlse summed over the dims the bias broadcasts, on rows that see a key
+    seen = row_lens.view(batch, 1, seqlen_q).expand(batch, heads, seqlen_q) > 0
+    exact = torch.where(seen, dlse, 0.0).double()
+    exact = exact.view(batch, shape[1], heads // shape[1], seqlen_q).sum(2)
+    exact = exact.sum(-1, keepdim=True) if shape[2] == 1 else exact
+    exact = exact.sum(0, keepdim=True) if shape[0] == 1 else exact
+    exact = exact.unsqueeze(-1)
+    assert dbias.shape == bias.shape
+    error = (dbias.double() - exact).abs().max().item()
+    assert error <= 1e-2 * exact.abs().max().item() + 1e-6, error

@@ -775,6 +775,28 @@ def _dbias_buffer(bias: Elementwise, batch: int, num_heads: int, num_heads_k: in
     return buffer, strides, per_qhead, zero_unlisted, finish
 
 
+def row_constant_bias_grad(bias: Elementwise, lse: torch.Tensor, dlse: torch.Tensor | None,
+                           num_heads: int) -> torch.Tensor:
+    """dbias, exact, for a bias with one column for all keys ((B|1, Hm, Sq|1, 1)): adding a
+    constant to a row's scores leaves its softmax, hence the output, unchanged, so only lse
+    depends on it, with d lse_i / d b_i = 1 where row i sees a key. Summing the kernels' dS over
+    keys instead leaves the error of delta, which comes from the rounded output (bf16: up to
+    0.06 where the true value is 0). lse / dlse: (B, H, Sq), packed (H, total_q)."""
+    grad = torch.zeros_like(lse) if dlse is None else \
+        torch.where(lse == float("-inf"), 0.0, dlse.float())
+    grad = torch.where(torch.isnan(lse), lse, grad)  # NaN in, NaN out
+    if bias.packed:
+        grad = grad.unsqueeze(0)  # (1, H, total_q), as the bias's (1, Hm, total_q|1, 1) view
+    bias_batch, bias_heads, rows, _ = bias.tensor.shape
+    # query head h reads bias head h // (H / Hm)
+    grad = grad.view(grad.shape[0], bias_heads, num_heads // bias_heads, -1).sum(2)
+    if rows == 1:
+        grad = grad.sum(-1, keepdim=True)
+    if bias_batch == 1 and grad.shape[0] != 1:
+        grad = grad.sum(0, keepdim=True)
+    return bias.unpacked(grad.unsqueeze(-1).to(bias.tensor.dtype))
+
+
 def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Schedule | None = None,
                        mask: Elementwise | None = None, bias: Elementwise | None = None,
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
@@ -790,7 +812,13 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     the caller's order: q, dout, lse and delta are gathered once into length order, dq written
     back to each row's place). With a config's atomic_dq and not deterministic, the dK/dV
     programs also add dQ into an fp32 buffer (atomics) and no dQ programs run (5 matmuls per
-    tile pair instead of 7); otherwise dQ programs of their own write every gradient once."""
+    tile pair instead of 7); otherwise dQ programs of their own write every gradient once. A
+    bias with one column for all keys gets its gradient from lse alone (`row_constant_bias_grad`)."""
+    if bias_grad and bias.cols_shared:
+        dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, args, schedule, mask, bias,
+                                           False, dlse, row_lens, packed, dropout, deterministic,
+                                           dq, dk, dv, row_order)
+        return dq, dk, dv, row_constant_bias_grad(bias, lse, dlse, q.shape[-2])
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
