@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -177,6 +178,37 @@ def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return PackedSequences(cu_seqlens_q, cu_seqlens_k, *maxima)
 
 
+# seqlens_k_per_row tensors whose values passed the range check, by id: (a weak reference, the
+# tensor's version and the Sk it was checked against). A training step passes one lengths
+# tensor to every layer: it is read on the host (a sync) once, and the calls after it can be
+# replayed from call plans (H100, B2 H16 D128 8k forward: 1.14-1.44 ms per call, synced every
+# call, against ~0.9 ms of kernels)
+_checked_row_lens: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _remember_checked(row_lens: torch.Tensor, seqlen_k: int) -> None:
+    try:
+        version = row_lens._version
+    except RuntimeError:  # inference tensors keep no version
+        return
+    key = id(row_lens)
+    ref = weakref.ref(row_lens, lambda _, key=key: _checked_row_lens.pop(key, None))
+    _checked_row_lens[key] = (ref, version, seqlen_k)
+
+
+def _known_checked(row_lens, k: torch.Tensor) -> bool:
+    """Whether seqlens_k_per_row passed the range check for this Sk and is unchanged since
+    (no in-place write bumped its version); reads no value."""
+    entry = _checked_row_lens.get(id(row_lens))
+    if entry is None or entry[0]() is not row_lens or not isinstance(k, torch.Tensor) \
+            or k.dim() != 4 or entry[2] != k.shape[1]:
+        return False
+    try:
+        return entry[1] == row_lens._version
+    except RuntimeError:
+        return False
+
+
 def _check_row_lens(row_lens, q, k, packed: PackedSequences | None,
                     check_inputs: bool) -> torch.Tensor:
     """seqlens_k_per_row: int32 (B, Sq) or (B * Sq,) (packed: (total_q,)), values in [0, Sk] of
@@ -194,6 +226,7 @@ def _check_row_lens(row_lens, q, k, packed: PackedSequences | None,
     if tuple(row_lens.shape) not in shapes:
         raise ValueError(f"seqlens_k_per_row has shape {tuple(row_lens.shape)}; expected "
                          f"{' or '.join(str(s) for s in shapes)}")
+    given = row_lens
     row_lens = row_lens.reshape(normal).contiguous()
     if check_inputs and row_lens.numel():
         if packed is not None:
@@ -207,6 +240,8 @@ def _check_row_lens(row_lens, q, k, packed: PackedSequences | None,
             raise ValueError(f"seqlens_k_per_row must lie in [0, Sk] of its row's sequence; "
                              f"entry {first} is {int(row_lens[first])} (Sk = {int(limit[first])})"
                              f"; pass check_inputs=False to skip this check (it syncs)")
+        if packed is None:
+            _remember_checked(given, k.shape[1])
     return row_lens
 
 
@@ -408,24 +443,31 @@ def attention(
         draws, 8 per Philox call); the CPU reference path draws from torch.rand, so the two
         backends drop different elements.
     """
-    def call(graph_parts: bool = False):
-        return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
-                          block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          check_inputs, graph_parts)
-
     # packed sequences whose host work reads no value of cu_seqlens (unchecked, maxima given):
     # their offsets are inputs of the plan like q's
     plain_layout = cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None \
         and max_seqlen_k is None
     unread_offsets = check_inputs is False and max_seqlen_q is not None \
         and max_seqlen_k is not None
-    if block_mask is None and seqlens_k_per_row is None and (plain_layout or unread_offsets) \
+    # per-row key lengths whose values were checked before (and not changed since) need no
+    # new read: the call's host work then depends on their layout alone
+    unread_lengths = seqlens_k_per_row is None or check_inputs is False or (
+        plain_layout and check_inputs is True and _known_checked(seqlens_k_per_row, k))
+    checks = check_inputs if seqlens_k_per_row is None or not unread_lengths or not plain_layout \
+        else False
+
+    def call(graph_parts: bool = False):
+        return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
+                          block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
+                          checks, graph_parts)
+
+    if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
-        inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+        inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row)
         graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
-                                            deterministic, return_lse, check_inputs,
+                                            deterministic, return_lse, checks,
                                             max_seqlen_q, max_seqlen_k))
         if key is not None:
             if not graph:

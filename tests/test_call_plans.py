@@ -490,3 +490,31 @@ def test_replayed_operations_and_structured_results(fake_kernel):
     plan = call_plans._plans[("ops",)]
     assert [step[0] for step in plan.steps] == [
         call_plans._ALLOCATE, call_plans._LAUNCH, *[call_plans._OPERATE] * 3, call_plans._LAUNCH]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "fwd+bwd"])
+def test_row_lengths_calls_replay_once_checked(monkeypatch, grad):
+    """Per-row key lengths (alone: rows in length order) are read on the host by their first
+    call's range check; later calls with the same unchanged lengths replay a plan, with the
+    call's own results; an in-place change reads them again."""
+    paths = _replays(monkeypatch)
+    lens = torch.randint(0, 301, (2, 300), device="cuda", dtype=torch.int32)
+    for call in range(4):
+        q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=grad) for _ in range(3))
+        out = omniattn.attention(q, k, v, seqlens_k_per_row=lens)
+        expected = api._attention(q, k, v, False, None, None, 0.0, None, None, None, lens, None,
+                                  None, None, None, 0.0, False, False, True)
+        assert torch.equal(out, expected), call
+        if grad:
+            dout = torch.randn_like(out)
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            want = torch.autograd.grad(expected, (q, k, v), dout)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), call
+    # the first call checks the lengths, the second is recorded, the later ones replay
+    assert paths.count("plan") >= 2, paths
+    lens[0, 0] = 301
+    with pytest.raises(ValueError, match="seqlens_k_per_row must lie in"):
+        omniattn.attention(q, k, v, seqlens_k_per_row=lens)

@@ -289,6 +289,24 @@ def test_seqlens_k_per_row_invalid(lens, error, message):
         attention(q, k, v, seqlens_k_per_row=lens)
 
 
+def test_seqlens_k_per_row_checked_again_after_a_change():
+    """A lengths tensor checked once is not read again while unchanged (its calls can replay
+    plans), but an in-place write, or keys fewer than it was checked against, check it again."""
+    q, k, v = make()
+    lens = torch.full((B, S), S, dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="a backend was called"):
+            attention(q, k, v, seqlens_k_per_row=lens)
+    assert api_mod._known_checked(lens, k)
+    q_short, k_short, v_short = make(sk=S - 1)
+    with pytest.raises(ValueError, match="^" + esc("seqlens_k_per_row must lie in [0, Sk]")):
+        attention(q_short, k_short, v_short, seqlens_k_per_row=lens)
+    lens[0, 1] = S + 1
+    assert not api_mod._known_checked(lens, k)
+    with pytest.raises(ValueError, match="^" + esc("seqlens_k_per_row must lie in [0, Sk]")):
+        attention(q, k, v, seqlens_k_per_row=lens)
+
+
 def test_seqlens_k_per_row_unchecked_reaches_backend():
     """check_inputs=False skips the value check (no host sync), not the shape checks."""
     q, k, v = make()
