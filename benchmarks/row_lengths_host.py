@@ -52,7 +52,17 @@ def main() -> None:
     def forward_backward():
         torch.autograd.grad(omniattn.attention(q, k, v, seqlens_k_per_row=lens), (q, k, v), dout)
 
-    results = []
+    def dense_forward():
+        with torch.no_grad():
+            return omniattn.attention(q, k, v)
+
+    # the harness's own floor: a planned dense forward of the same shape
+    call = triton.testing.do_bench(dense_forward, warmup=25, rep=200, return_mode="median")
+    kernels = kernel_ms(dense_forward)
+    results = [{"lengths": "none (dense)", "mode": "fwd", "call_ms": call, "kernels_ms": kernels,
+                "call_over_kernels": call / kernels}]
+    print(f"{'none (dense)':20s} {'fwd':8s} call {call:.3f} ms  kernels {kernels:.3f} ms  "
+          f"ratio {call / kernels:.3f}")
     for label, remembered in (("checked every call", False), ("check remembered", True)):
         patch = mock.patch.object(api, "_known_checked", lambda *a: False) if not remembered \
             else mock.patch.object(api, "_known_checked", api._known_checked)

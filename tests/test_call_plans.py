@@ -501,7 +501,7 @@ def test_row_lengths_calls_replay_once_checked(monkeypatch, grad):
     call's own results; an in-place change reads them again."""
     paths = _replays(monkeypatch)
     lens = torch.randint(0, 301, (2, 300), device="cuda", dtype=torch.int32)
-    for call in range(4):
+    for call in range(5):
         q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16,
                                requires_grad=grad) for _ in range(3))
         out = omniattn.attention(q, k, v, seqlens_k_per_row=lens)
@@ -513,7 +513,8 @@ def test_row_lengths_calls_replay_once_checked(monkeypatch, grad):
             got = torch.autograd.grad(out, (q, k, v), dout)
             want = torch.autograd.grad(expected, (q, k, v), dout)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), call
-    # the first call checks the lengths, the second is recorded, the later ones replay
+    # the first call checks the lengths, the second is seen, the third recorded, the later
+    # ones replay
     assert paths.count("plan") >= 2, paths
     lens[0, 0] = 301
     with pytest.raises(ValueError, match="seqlens_k_per_row must lie in"):
