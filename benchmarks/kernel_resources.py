@@ -33,7 +33,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from omniattn.kernels import bwd, bwd_hopper, bwd_hopper_wide, configs, fwd, fwd_hopper
 from omniattn.kernels.elementwise import Elementwise
-from omniattn.kernels.schedule import FULL, PARTIAL, KernelArgs, TileLists
+from omniattn.kernels.schedule import KernelArgs, TileLists
+from omniattn.predicate import FULL, PARTIAL
 from omniattn.kernels.sequences import PackedSequences
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -14,9 +14,10 @@ from .kernels.configs import (backward_config, forward_config, hopper_forward_co
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                   mask_tile_states, row_length_states, states_schedule)
 from .kernels.fwd_hopper import gluon_candidate
-from .kernels.schedule import KernelArgs, RelativePredicate, Schedule, coarsen_states
+from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, batch_shape, length_order
 from .masks.block_mask import BlockMask
+from .predicate import RelativePredicate, coarsen_states
 from .reference import attention_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -29,7 +29,8 @@ from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import (forward_config, hopper_forward_config, interpreting,
                                       switches)
 from omniattn.kernels.fwd_hopper import gluon_candidate
-from omniattn.kernels.schedule import KernelArgs, RelativePredicate
+from omniattn.kernels.schedule import KernelArgs
+from omniattn.predicate import RelativePredicate
 
 MODES = ("fwd", "fwd+bwd")
 SUITES = ("core", "seqlen", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")

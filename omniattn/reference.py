@@ -15,7 +15,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .kernels.schedule import RelativePredicate
+from .predicate import RelativePredicate
 
 __all__ = ["attention_reference"]
 

@@ -7,7 +7,7 @@ import torch
 
 import omniattn
 from omniattn import bench
-from omniattn.kernels.schedule import RelativePredicate
+from omniattn.predicate import RelativePredicate
 
 
 @pytest.fixture

@@ -452,7 +452,8 @@ def test_mask_schedule_is_sound(monkeypatch, form, causal, window, lengths, one_
     from omniattn.kernels import elementwise
     from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                               mask_tile_states, states_schedule)
-    from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
+    from omniattn.kernels.schedule import KernelArgs
+    from omniattn.predicate import blocks_from_lists
     from test_schedule import predicate
 
     (batch, heads, heads_k), (seqlen_q, seqlen_k) = (2, 4, 2), lengths

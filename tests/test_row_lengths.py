@@ -194,7 +194,8 @@ def test_row_length_tile_skipping():
     """Key tiles past every row's length are never loaded (NaN keys there do not leak) and the
     lists match the exact tile picture of the lengths: FULL tiles all visible, unlisted empty."""
     from omniattn.api import _explicit_schedule
-    from omniattn.kernels.schedule import KernelArgs, blocks_from_lists
+    from omniattn.kernels.schedule import KernelArgs
+    from omniattn.predicate import blocks_from_lists
 
     seqlen_q, seqlen_k = 96 * SCALE, 160 * SCALE
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2, 1, 32, torch.float16, requires_grad=False)

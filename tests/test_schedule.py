@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
-from omniattn.kernels.schedule import (FULL, HIDDEN, PARTIAL, Schedule, blocks_from_lists,
-                                       coarsen_states)
+from omniattn.kernels.schedule import Schedule
+from omniattn.predicate import FULL, HIDDEN, PARTIAL, blocks_from_lists, coarsen_states
 from test_kernels import run_kernels
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
-from ..kernels.schedule import FULL, HIDDEN, PARTIAL, RelativePredicate
+from ..predicate import FULL, HIDDEN, PARTIAL, RelativePredicate
 from ..masks import BlockMask, block_mask_from_predicate
 
 # the block size of the original's streaming functions (its only supported block size)

@@ -19,7 +19,7 @@ from enum import IntEnum
 import torch
 
 from ..api import attention
-from ..kernels.schedule import FULL, HIDDEN, PARTIAL, blocks_from_lists, lists_from_blocks
+from ..predicate import FULL, HIDDEN, PARTIAL, blocks_from_lists, lists_from_blocks
 from ..masks.block_mask import BlockMask
 
 

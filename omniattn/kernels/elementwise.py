@@ -12,7 +12,8 @@ import triton.language as tl
 from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .configs import cdiv, next_power_of_2
 from .launch import launch
-from .schedule import FULL, HIDDEN, PARTIAL, KernelArgs, Schedule, TileLists
+from ..predicate import FULL, HIDDEN, PARTIAL
+from .schedule import KernelArgs, Schedule, TileLists
 from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)

@@ -11,84 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..predicate import FULL, PARTIAL, RelativePredicate, lists_from_blocks
 from .sequences import broadcast_strides, placeholder
-
-HIDDEN, PARTIAL, FULL = 0, 1, 2  # tile / block states
-
-
-@dataclass(frozen=True)
-class RelativePredicate:
-    """Key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 = unbounded."""
-
-    left: int = -1
-    right: int = -1
-
-    @staticmethod
-    def make(causal: bool = False, window: tuple[int, int] | None = None) -> "RelativePredicate":
-        left, right = window if window is not None else (-1, -1)
-        if causal:
-            right = 0 if right < 0 else min(right, 0)
-        return RelativePredicate(left, right)
-
-    def __and__(self, other: "RelativePredicate") -> "RelativePredicate":
-        def tighter(a, b):
-            return b if a < 0 else a if b < 0 else min(a, b)
-        return RelativePredicate(tighter(self.left, other.left), tighter(self.right, other.right))
-
-    def holds(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, seqlen_q: int,
-              seqlen_k: int) -> torch.Tensor:
-        """Bool, the broadcast of q_idx and kv_idx: whether key kv_idx is visible to query q_idx."""
-        rel = kv_idx - q_idx - (seqlen_k - seqlen_q)
-        visible = torch.ones_like(rel, dtype=torch.bool)
-        if self.right >= 0:
-            visible = visible & (rel <= self.right)
-        if self.left >= 0:
-            visible = visible & (rel >= -self.left)
-        return visible
-
-    def visible(self, q_idx: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor | None:
-        """Bool [len(q_idx), Sk]: which keys rows q_idx may see; None when all of them."""
-        if self.unbounded:
-            return None
-        k_idx = torch.arange(seqlen_k, device=q_idx.device)
-        return self.holds(q_idx[:, None], k_idx[None, :], seqlen_q, seqlen_k)
-
-    @property
-    def unbounded(self) -> bool:
-        return self.left < 0 and self.right < 0
-
-    def classify(self, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                 device=None, lengths: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
-        """int8 (n_q_blocks, n_k_blocks): HIDDEN / PARTIAL / FULL of each block under this
-        predicate, blocks clipped to (Sq, Sk). O(blocks) work and memory. With `lengths`, the
-        (B,) query and key lengths of packed sequences (Sq, Sk their maxima): (B, n_q_blocks,
-        n_k_blocks), each sequence on its own diagonal, blocks past its end HIDDEN."""
-        n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-        first_q = (torch.arange(n_m, device=device) * block_m)[None, :, None]
-        first_k = (torch.arange(n_n, device=device) * block_n)[None, None, :]
-        if lengths is None:
-            len_q = torch.full((1, 1, 1), seqlen_q, device=device)
-            len_k = torch.full((1, 1, 1), seqlen_k, device=device)
-        else:
-            len_q, len_k = (n.to(device).long().view(-1, 1, 1) for n in lengths)
-        last_q = torch.minimum(first_q + block_m, len_q) - 1
-        last_k = torch.minimum(first_k + block_n, len_k) - 1
-        offset = len_k - len_q
-        # extreme offsets from the diagonal inside each block: [B|1, n_m, n_n]
-        rel_min = first_k - last_q - offset
-        rel_max = last_k - first_q - offset
-        full = torch.ones_like(rel_min, dtype=torch.bool)
-        hidden = (first_q >= len_q) | (first_k >= len_k)
-        if self.right >= 0:
-            full &= rel_max <= self.right
-            hidden |= rel_min > self.right
-        if self.left >= 0:
-            full &= rel_min >= -self.left
-            hidden |= rel_max < -self.left
-        state = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
-        return state if lengths is not None else state[0]
-
 
 @dataclass(frozen=True)
 class KernelArgs:
@@ -141,54 +65,6 @@ class KernelArgs:
     @property
     def softcap_log2(self) -> float:
         return self.softcap * math.log2(math.e)
-
-
-def blocks_from_lists(num_blocks: torch.Tensor, indices: torch.Tensor, n_cols: int,
-                      values: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., R) counts + (..., R, C) indices -> dense (..., R, n_cols) block picture: bool (True
-    where listed), or `values` (..., R, C) scattered to the listed columns (0 elsewhere)."""
-    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None].long()
-    # unlisted slots scatter into a spare column that is dropped
-    target = torch.where(listed, indices.long(), n_cols)
-    dtype = torch.bool if values is None else values.dtype
-    blocks = torch.zeros(*num_blocks.shape, n_cols + 1, dtype=dtype, device=indices.device)
-    if values is None:
-        blocks.scatter_(-1, target, True)
-    else:
-        blocks.scatter_(-1, target, values.expand_as(target))
-    return blocks[..., :n_cols]
-
-
-def lists_from_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dense bool (..., R, C) -> int32 counts (..., R) and indices (..., R, C), listed ones first."""
-    num_blocks = blocks.sum(-1, dtype=torch.int32)
-    # stable sort of "not listed" puts the listed columns first, in increasing order
-    indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num_blocks, indices.contiguous()
-
-
-def transposed_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(num, indices) of PARTIAL then of FULL blocks per key column: the lists dK/dV walk."""
-    return (*lists_from_blocks(partial.transpose(-1, -2)),
-            *lists_from_blocks(full.transpose(-1, -2)))
-
-
-def coarsen_states(states: torch.Tensor, factor_m: int, factor_n: int) -> torch.Tensor:
-    """int8 (..., n_m, n_n) tile states -> states of tiles factor_m x factor_n times larger: FULL
-    iff every sub-tile is FULL, HIDDEN iff every one is HIDDEN. Only for element-exact states
-    (mask / predicate): a coarse PARTIAL tile re-applies the element terms, not the sub-tile map."""
-    if factor_m == factor_n == 1:
-        return states
-    *lead, n_m, n_n = states.shape
-    pad_m, pad_n = -n_m % factor_m, -n_n % factor_n
-    # edge padding repeats the last tile: it changes neither the min nor the max
-    padded = torch.nn.functional.pad(states.float().reshape(-1, 1, n_m, n_n), (0, pad_n, 0, pad_m),
-                                     mode="replicate")
-    window = (factor_m, factor_n)
-    lowest = -torch.nn.functional.max_pool2d(-padded, window)
-    highest = torch.nn.functional.max_pool2d(padded, window)
-    coarse = torch.where(highest == HIDDEN, HIDDEN, torch.where(lowest == FULL, FULL, PARTIAL))
-    return coarse.to(torch.int8).reshape(*lead, *coarse.shape[-2:])
 
 
 @dataclass

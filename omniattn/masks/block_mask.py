@@ -16,9 +16,9 @@ from functools import cached_property
 
 import torch
 
-from ..kernels.schedule import (FULL, HIDDEN, PARTIAL, BlockBits, RelativePredicate, Schedule,
-                                blocks_from_lists, coarsen_states, lists_from_blocks,
-                                transposed_lists)
+from ..kernels.schedule import BlockBits, Schedule
+from ..predicate import (FULL, HIDDEN, PARTIAL, RelativePredicate, blocks_from_lists,
+                         coarsen_states, lists_from_blocks, transposed_lists)
 
 
 class BlockMask:
