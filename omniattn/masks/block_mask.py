@@ -19,6 +19,7 @@ import torch
 from ..kernels.schedule import BlockBits, Schedule
 from ..predicate import (FULL, HIDDEN, PARTIAL, RelativePredicate, blocks_from_lists,
                          coarsen_states, lists_from_blocks, transposed_lists)
+from .evaluate import predicate_blocks
 
 
 class BlockMask:
@@ -217,14 +218,15 @@ class BlockMask:
         block-granular predicate. Cached."""
         key = (block_q, block_k)
         if key not in self._coarsened:
-            from .builders import block_mask_from_predicate
-
             rows, cols = block_q // self.block_size[0], block_k // self.block_size[1]
             # exact where every sub-block is FULL or every one hidden; the rest is evaluated
             hint = coarsen_states(self.states, rows, cols)
-            self._coarsened[key] = block_mask_from_predicate(
+            states, bitmaps, slots = predicate_blocks(
                 self.mask_mod, *self.kv_num_blocks.shape[:2], *self.seq_lengths, key,
                 self.kv_indices.device, block_states=hint)
+            self._coarsened[key] = BlockMask.from_states(states, key, self.seq_lengths,
+                                                         element_bits=bitmaps,
+                                                         element_slots=slots)
         return self._coarsened[key]
 
     def sequence(self, batch: int, seqlen_q: int, seqlen_k: int) -> "BlockMask":
