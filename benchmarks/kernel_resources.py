@@ -51,7 +51,7 @@ def barrier_overwrites(cubin: bytes) -> tuple[int, int]:
     writes). Triton 3.6 gives a barrier that no partition uses (initialised, never waited on) to
     warp_specialize's captures, which the workers read back: on an H100 time-sliced between
     processes some warps then read the barrier's state in place of a loop bound and the
-    kernel hung (benchmarks/NOTES.md, "A hang under concurrent processes")."""
+    kernel hung (docs/perf/faults.md, "A hang under concurrent processes")."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

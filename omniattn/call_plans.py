@@ -8,7 +8,7 @@ its allocations (empty or zeroed), its launches and the few torch operations a r
 tensor cached outside it. Later calls with the signature replay it: the allocations and
 operations, and each launch with its arguments flattened once (`launch.FlatLaunch`) and the new
 pointers set (H100 host, top-k mask + key bias forward, B1 S512 H2: 134-143 us per call against
-342-392; causal D64 forward 52-62 against 149-162; benchmarks/NOTES.md). The forward of a call
+342-392; causal D64 forward 52-62 against 149-162; docs/perf/host-overhead.md). The forward of a call
 that records a graph and its backward are planned apart, each inside the autograd Function
 (autograd.py).
 
@@ -120,7 +120,7 @@ def signature_after(forward_key: tuple, inputs: tuple, fresh: tuple[int, ...],
     tensors that forward made, whose layouts and shared storages follow from that key, but for
     those at positions `fresh` (the gradients of its outputs): those are keyed as `signature`
     keys them, with any storage they share with another input. The switches are read again.
-    Cheaper than `signature` of all inputs (a planned fwd+bwd's host time: benchmarks/NOTES.md).
+    Cheaper than `signature` of all inputs (a planned fwd+bwd's host time: docs/perf/host-overhead.md).
     """
     if not _plannable():
         return None

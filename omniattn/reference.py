@@ -1,6 +1,6 @@
 """Exact attention in plain PyTorch: the correctness oracle and the CPU backend.
 
-It implements every semantic of the public API (DESIGN.md): bottom-right aligned causal, sliding
+It implements every semantic of the public API (docs/design.md): bottom-right aligned causal, sliding
 window, element mask, additive bias (broadcast, never expanded), per-row key lengths, varlen,
 softcap, GQA, LSE, dropout (from torch.rand), and rows that see no key (output 0, lse -inf, zero
 gradients).

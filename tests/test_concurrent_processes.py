@@ -1,6 +1,6 @@
 """Several processes training on one GPU: the GPU time-slices their contexts, which preempts
 running blocks mid-kernel. Before d0366bd the D128 Gluon backward hung there (an unused
-barrier's bytes held warp_specialize's captured loop bounds: benchmarks/NOTES.md)."""
+barrier's bytes held warp_specialize's captured loop bounds: docs/perf/faults.md)."""
 import os
 import subprocess
 import sys

@@ -819,7 +819,7 @@ def _bwd_hopper_kernel(
         mbarrier.init(ds_ready.index(b), count=2)
     # initialised only where used: Triton gives an unused barrier's bytes to warp_specialize's
     # captures, and an H100 time-sliced between processes then handed some consumer warps the
-    # barrier's state for a loop bound (a hang: benchmarks/NOTES.md)
+    # barrier's state for a loop bound (a hang: docs/perf/faults.md)
     if BIAS_TMA:
         for b in gl.static_range(4):
             mbarrier.init(bias_ready.index(b), count=1)

@@ -130,7 +130,7 @@ _FWD_TMA = {
 }
 # backward, keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages). Pointer
 # loads: through tensor descriptors (and dQ by TMA reduce-add) the H100 took 1.914 vs 1.733 ms
-# dense 4k, 1.046 vs 0.967 causal (benchmarks/NOTES.md)
+# dense 4k, 1.046 vs 0.967 causal (docs/perf/backward.md, "The backward on TMA")
 _BWD = {
     (32, False): BwdTileConfig(32, 64, 64, 32, 4, 3),
     (32, True): BwdTileConfig(32, 64, 64, 32, 4, 3),

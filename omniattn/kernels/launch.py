@@ -2,7 +2,7 @@
 
 `kernel[grid](*args)` binds and specialises every argument in Python (JITFunction.run: the
 binder, the cache key, the launch metadata) before the compiled launcher runs: 55-65 us per
-launch on an H100 host, of which the launcher is 17-21 (benchmarks/NOTES.md). `launch` keys the
+launch on an H100 host, of which the launcher is 17-21 (docs/perf/host-overhead.md). `launch` keys the
 compiled kernel on a tuple finer than Triton's specialisation (every scalar by value, every
 tensor by dtype and 16-byte alignment, every descriptor by all its fields), so a hit is the
 kernel Triton itself would pick, and calls its launcher directly.
