@@ -72,6 +72,8 @@ def test_hidden_size_the_heads_do_not_divide():
 def test_bad_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicMaskAttention(32, **kwargs)
+    with pytest.raises(TypeError, match=r"^hidden_size must be a positive int, got float$"):
+        DynamicMaskAttention(32.0, num_heads=4)
 
 
 def test_wrong_input_width():

@@ -49,7 +49,8 @@ def window_block_mask(seqlen_q: int, seqlen_k: int, window: tuple[int, int], cau
 def block_mask_from_blocks(blocks: torch.Tensor, block_size: int | tuple[int, int] = 128,
                            seq_lengths: tuple[int, int] | None = None) -> BlockMask:
     """From a bool (B|1, H|1, n_q_blocks, n_k_blocks) picture: True blocks are fully visible
-    (FULL), the others hidden. seq_lengths defaults to the blocks times the block size."""
+    (FULL), the others hidden. seq_lengths (Sq, Sk) defaults to the blocks times the block size;
+    it must need exactly the picture's n_q_blocks x n_k_blocks blocks."""
     if not isinstance(blocks, torch.Tensor):
         raise TypeError(f"blocks must be a bool torch.Tensor (B|1, H|1, n_q_blocks, n_k_blocks), "
                         f"got {type(blocks).__name__}")

@@ -14,10 +14,11 @@ from ..masks.dynamic import prepare_dynamic_mask
 def _check_positive(name: str, value, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        got = value if isinstance(value, int) else type(value).__name__
-        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, "
-                         f"got {got}")
+    expected = f"a positive int{' or None' if optional else ''}"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be {expected}, got {value}")
 
 
 class DynamicMaskAttention(nn.Module):
