@@ -68,15 +68,25 @@ def _check_qkv(q, k, v, packed: bool) -> None:
                              f"strides {t.stride()}; call {name}.contiguous() first")
 
 
+def check_window(window, name: str = "window") -> None:
+    """The window rule of `attention` and the compat façades, under the caller's argument name:
+    None, or a (left, right) pair of ints, each >= 0 or -1 (unbounded on that side)."""
+    if window is None:
+        return
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        # the types, never the values: a window of tensors must not print them
+        got = type(window).__name__ if not isinstance(window, (tuple, list)) else \
+            f"{type(window).__name__}[{', '.join(type(w).__name__ for w in window)}]"
+        raise TypeError(f"{name} must be a (left, right) pair of ints, got {got}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"{name} offsets must be >= 0, or -1 for unbounded, got {tuple(window)}")
+
+
 def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if window is not None:
-        if (not isinstance(window, (tuple, list)) or len(window) != 2
-                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-            raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
-        if any(w < -1 for w in window):
-            raise ValueError(f"window offsets must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    check_window(window)
     if softmax_scale is not None:
         if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")

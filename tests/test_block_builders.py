@@ -3,6 +3,8 @@ builders against brute-force definitions, their element bitmaps through the kern
 backward) against the reference, and block masks over packed (varlen) sequences."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -117,8 +119,18 @@ def test_block_streaming_block_mask_counts_blocks():
 
 
 def test_builder_errors():
-    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and never decrease"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens must start at 0 and never decrease; "
+                                         r"cu_seqlens\[2\] = 4 is below cu_seqlens\[1\] = 9$"):
         omniattn.document_block_mask(torch.tensor([0, 9, 4]))
+    with pytest.raises(ValueError, match=r"^cu_seqlens must start at 0 and never decrease; "
+                                         r"cu_seqlens\[0\] = 2$"):
+        omniattn.document_block_mask(torch.tensor([2, 9]))
+    with pytest.raises(ValueError, match=r"^cu_seqlens must be a 1-D integer tensor \(documents "
+                                         r"\+ 1,\) of offsets from 0, got shape \(2, 2\)$"):
+        omniattn.document_block_mask(torch.tensor([[0, 9], [9, 12]]))
+    with pytest.raises(TypeError, match=r"^cu_seqlens must have an integer dtype, got "
+                                        r"torch.float32$"):
+        omniattn.document_block_mask(torch.tensor([0.0, 9.0]))
     with pytest.raises(ValueError, match="sink and local must be >= 0"):
         omniattn.streaming_block_mask(64, 64, -1, 4)
     table = torch.ones(2, 2, dtype=torch.bool)
@@ -260,3 +272,47 @@ def test_coarsened_mask_keeps_every_element(kind):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(out, lse, grads, q, k, v, dout,
                             attn_mask=expected & (kv_idx <= q_idx + seqlen_k - seqlen_q))
+
+
+@pytest.mark.parametrize("blocks, error, message", [
+    (torch.ones(2, 3, 4, dtype=torch.bool), ValueError,
+     "blocks must be 4-D (B|1, H|1, n_q_blocks, n_k_blocks), got shape (2, 3, 4)"),
+    (torch.ones(1, 1, 2, 2), TypeError,
+     "blocks must be a bool tensor (True = visible block), got dtype torch.float32"),
+    ([[[[True]]]], TypeError,
+     "blocks must be a bool torch.Tensor (B|1, H|1, n_q_blocks, n_k_blocks), got list"),
+], ids=["3-d", "float", "list"])
+def test_from_blocks_says_what_is_wrong(blocks, error, message):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        omniattn.block_mask_from_blocks(blocks, 16)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(seq_lengths=(32, 64)), ValueError,
+     "seq_lengths = (32, 64) needs (2, 4) blocks of (16, 16), but blocks has (2, 2)"),
+    (dict(seq_lengths=(32, 16)), ValueError,
+     "seq_lengths = (32, 16) needs (2, 1) blocks of (16, 16), but blocks has (2, 2)"),
+    (dict(seq_lengths=32), TypeError, "seq_lengths must be a pair of ints (Sq, Sk), got int"),
+    (dict(block_size=torch.tensor(16)), TypeError,
+     "block_size must be an int or a pair of ints (BQ, BK), got Tensor"),
+    (dict(block_size=(16, 24)), ValueError,
+     "block_size[1] must be a positive multiple of 16, got 24"),
+], ids=["short-k", "long-k", "lengths-type", "size-type", "size-value"])
+def test_from_blocks_grid(kwargs, error, message):
+    with pytest.raises(error, match="^" + re.escape(message)):
+        omniattn.block_mask_from_blocks(torch.ones(1, 1, 2, 2, dtype=torch.bool),
+                                        **{"block_size": 16, **kwargs})
+
+
+def test_list_errors_name_the_position():
+    num = torch.tensor([[[1, 3]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape("kv_num_blocks[0, 0, 1] = 3 is outside [0, 2] "
+                                                   "(the columns of kv_indices)")):
+        BlockMask(num, idx, block_size=16, seq_lengths=(32, 32))
+    num[0, 0, 1] = 2
+    idx[0, 0, 1, 1] = 5
+    with pytest.raises(ValueError, match=re.escape("kv_indices lists a key block outside [0, 2) "
+                                                   "for Sk = 32 and block size 16: "
+                                                   "kv_indices[0, 0, 1, 1] = 5")):
+        BlockMask(num, idx, block_size=16, seq_lengths=(32, 32))

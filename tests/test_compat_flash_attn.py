@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import omniattn
 from helpers import DEVICE, check_against_reference, random_qkv
 from omniattn.compat import flash_attn_func, flash_attn_varlen_func
 
@@ -89,7 +90,8 @@ def test_seqused_k_errors():
     used = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
     with pytest.raises(NotImplementedError, match="seqused_k with causal"):
         flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used, causal=True)
-    with pytest.raises(TypeError, match="seqused_k must be an int32"):
+    with pytest.raises(TypeError, match=r"^seqused_k must be an int32 tensor of shape \(B,\), got "
+                                        r"dtype torch.int64$"):
         flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used.long())
     with pytest.raises(ValueError, match="seqused_k has shape"):
         flash_attn_varlen_func(q, k, k, cu, cu, 4, 4, seqused_k=used[:1])
@@ -100,5 +102,38 @@ def test_seqused_k_errors():
 def test_unsupported_arguments(kwargs):
     q, k, v = random_qkv(1, 4, 4, 2, 2, 16, torch.float16, requires_grad=False)
     name = next(iter(kwargs))
-    with pytest.raises(NotImplementedError, match=f"^flash_attn façade: {name}="):
+    with pytest.raises(NotImplementedError, match=f"^flash_attn façade: {name} is not supported"):
         flash_attn_func(q, k, v, **kwargs)
+
+
+def test_unsupported_tensor_is_described_not_printed():
+    q, k, v = random_qkv(1, 4, 4, 2, 2, 16, torch.float16, requires_grad=False)
+    with pytest.raises(NotImplementedError) as raised:
+        flash_attn_func(q, k, v, qv=torch.randn(1, 4, 2, 64))
+    message = str(raised.value)
+    assert "tensor(" not in message and len(message) < 200, message
+    assert "shape (1, 4, 2, 64), dtype torch.float32" in message
+
+
+def _packed_qkv():
+    q = torch.randn(6, 2, 16, device=DEVICE, dtype=torch.float16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+    return q, cu
+
+
+@pytest.mark.parametrize("window, error", [((-2, -2), ValueError), ((0, -3), ValueError),
+                                           ((1.5, 0), TypeError), (3, TypeError)])
+def test_window_size_follows_attentions_rule(window, error):
+    """One window rule: attention's message, under the façade's argument name."""
+    q, k, v = random_qkv(1, 4, 4, 2, 2, 16, torch.float16, requires_grad=False)
+    with pytest.raises(error) as direct:
+        omniattn.attention(q, k, v, window=window)
+    expected = str(direct.value).replace("window", "window_size", 1)
+    assert expected.startswith("window_size ")
+    with pytest.raises(error) as facade:
+        flash_attn_func(q, k, v, window_size=window)
+    assert str(facade.value) == expected
+    packed, cu = _packed_qkv()
+    with pytest.raises(error) as facade:
+        flash_attn_varlen_func(packed, packed, packed, cu, cu, 4, 4, window_size=window)
+    assert str(facade.value) == expected

@@ -27,3 +27,11 @@ def test_matches_attention_on_the_reference_path(monkeypatch):
     assert dbias.shape == bias.shape
     plain = flash_dmattn_func(q, k, v)
     torch.testing.assert_close(plain, omniattn.attention(q, k, v))
+
+
+def test_docstring_states_shapes_and_differences():
+    doc = flash_dmattn_func.__doc__
+    assert doc is not None
+    for term in ("(B, Sq, H, D)", "(B, Sk, Hk, D)", "attn_mask", "attn_bias", "is_causal",
+                 "softcap", "deterministic", "return_attn_probs", "(B, H, Sq)", "Differences"):
+        assert term in doc, term

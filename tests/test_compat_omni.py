@@ -98,5 +98,71 @@ def test_omni_attention_forward_and_backward(case):
 def test_bad_types():
     num, idx, types = create_causal_block_mask(1, 1, 32, 32, 16, 16, device=DEVICE)
     q, k, v = random_qkv(1, 32, 32, 1, 1, 16, torch.float16)
-    with pytest.raises(ValueError, match="block_mask_types values must be BlockMaskType"):
+    with pytest.raises(ValueError, match=r"block_mask_types\[0, 0, 0, 0\] = 4 is not a "
+                                         r"BlockMaskType"):
         omni_attention_forward(q, k, v, num, idx, types + 3, BLOCK_M=16, BLOCK_N=16)
+
+
+def test_block_mask_type_is_documented():
+    doc = BlockMaskType.__doc__
+    assert doc is not None and all(name in doc for name in ("MASKED", "CAUSAL", "FULL"))
+
+
+def _causal_lists():
+    """Causal lists of a (1, 2) batch/head, 32 x 32 in blocks of 16: two query blocks, two
+    slots each; writable copies."""
+    return [t.clone() for t in create_causal_block_mask(1, 2, 32, 32, 16, 16, device=DEVICE)]
+
+
+@pytest.mark.parametrize("which, position, value, message", [
+    (1, (0, 1, 1, 0), 7, r"^kv_indices\[0, 1, 1, 0\] = 7 is outside \[0, 2\) \(Sk = 32 in key "
+                         r"blocks of BLOCK_N = 16\)$"),
+    (1, (0, 0, 1, 1), -1, r"^kv_indices\[0, 0, 1, 1\] = -1 is outside \[0, 2\)"),
+    (0, (0, 1, 0), 3, r"^kv_num_blocks\[0, 1, 0\] = 3 is outside \[0, 2\] \(the 2 slots of "
+                      r"kv_indices\)$"),
+    (2, (0, 0, 1, 1), 5, r"^block_mask_types\[0, 0, 1, 1\] = 5 is not a BlockMaskType \(0 "
+                         r"MASKED, 1 CAUSAL, 2 FULL\)$"),
+], ids=["index-past-end", "index-negative", "count", "type"])
+def test_list_values_out_of_range(which, position, value, message):
+    """Named argument, range and position; never the tensor, and nothing launched."""
+    lists = _causal_lists()
+    lists[which][position] = value
+    q, k, v = random_qkv(1, 32, 32, 2, 2, 16, torch.float16)
+    with pytest.raises(ValueError, match=message):
+        omni_attention_forward(q, k, v, *lists, BLOCK_M=16, BLOCK_N=16)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda n, i, t: (n[..., :1], i[..., :1, :], t[..., :1, :]), ValueError,
+     r"^kv_num_blocks has shape \(1, 2, 1\); expected \(B\|1, H\|1, n_q_blocks = 2\) for "
+     r"Sq = 32 in query blocks of BLOCK_M = 16$"),
+    (lambda n, i, t: (n, i[..., 0], t[..., 0]), ValueError,
+     r"^kv_indices has shape \(1, 2, 2\); expected kv_num_blocks' \(1, 2, 2\) plus a slot "
+     r"dim"),
+    (lambda n, i, t: (n, i, t[..., :1]), ValueError,
+     r"^block_mask_types has shape \(1, 2, 2, 1\), kv_indices \(1, 2, 2, 2\): they must match"),
+    (lambda n, i, t: (n.expand(3, 2, 2), i.expand(3, 2, 2, 2), t.expand(3, 2, 2, 2)),
+     ValueError, r"^kv_num_blocks has batch/head dims \(3, 2\); expected \(1 or B, 1 or H\) with "
+     r"\(B, H\) = \(1, 2\)$"),
+    (lambda n, i, t: (n.float(), i, t), TypeError,
+     r"^kv_num_blocks must be an int32 \(or int64\) tensor, got dtype torch.float32$"),
+    (lambda n, i, t: (n.tolist(), i, t), TypeError,
+     r"^kv_num_blocks must be an int32 \(or int64\) tensor, got list$"),
+], ids=["q-blocks", "slots", "types", "batch", "dtype", "list"])
+def test_list_shapes(change, error, message):
+    q, k, v = random_qkv(1, 32, 32, 2, 2, 16, torch.float16)
+    with pytest.raises(error, match=message):
+        omni_attention_forward(q, k, v, *change(*_causal_lists()), BLOCK_M=16, BLOCK_N=16)
+
+
+def test_slots_past_the_count_are_ignored(monkeypatch):
+    """As in the original, only the first kv_num_blocks slots of a row are read: what lies past
+    them (here out-of-range indices and types) is neither validated nor used."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lists = _causal_lists()
+    q, k, v = random_qkv(1, 32, 32, 2, 2, 16, torch.float32, device="cpu", requires_grad=False)
+    expected, _ = omni_attention_forward(q, k, v, *lists, BLOCK_M=16, BLOCK_N=16)
+    lists[1][:, :, 0, 1] = 99  # query block 0 lists one block: slot 1 is unused
+    lists[2][:, :, 0, 1] = 7
+    out, _ = omni_attention_forward(q, k, v, *lists, BLOCK_M=16, BLOCK_N=16)
+    torch.testing.assert_close(out, expected)

@@ -95,20 +95,23 @@ def _head_types(head_mask_type, num_heads: int, base_blockmask, caller: str) -> 
     head_types = _int_values("head_mask_type", head_mask_type, num_heads,
                              "(one entry per query head: 0 dense, -1 streaming, 1 block-sparse)")
     if base_blockmask is None:
-        if any(kind > 0 for kind in head_types):
-            raise ValueError(f"head_mask_type {head_types} has block-sparse heads (values > 0) "
-                             f"but {caller} got no base_blockmask (only block_sparse_attn_func "
-                             f"takes one)")
+        sparse = [head for head, kind in enumerate(head_types) if kind > 0]
+        if sparse:
+            raise ValueError(f"head_mask_type[{sparse[0]}] = {head_types[sparse[0]]} is a "
+                             f"block-sparse head (values > 0) but {caller} got no base_blockmask "
+                             f"(only block_sparse_attn_func takes one)")
         return head_types
     numbered = _number_blocksparse_heads(head_types)
     n_masks = head_types.count(1)
     if base_blockmask.shape[1] != n_masks:
         raise ValueError(f"base_blockmask has {base_blockmask.shape[1]} masks in dim 1 (shape "
-                         f"{tuple(base_blockmask.shape)}), but head_mask_type {head_types} has "
-                         f"{n_masks} entries equal to 1: one mask per block-sparse head")
-    if any(kind > n_masks for kind in numbered):
-        raise ValueError(f"head_mask_type {head_types} refers to mask {max(numbered)} (after "
-                         f"numbering its 1 entries), but base_blockmask has {n_masks}")
+                         f"{tuple(base_blockmask.shape)}), but head_mask_type has {n_masks} "
+                         f"entries equal to 1: one mask per block-sparse head")
+    past = [head for head, kind in enumerate(numbered) if kind > n_masks]
+    if past:
+        raise ValueError(f"head_mask_type[{past[0]}] = {head_types[past[0]]} refers to mask "
+                         f"{numbered[past[0]]} (after numbering the entries equal to 1), but "
+                         f"base_blockmask has {n_masks}")
     return numbered
 
 
@@ -118,7 +121,8 @@ def _streaming_windows(streaming_info, head_types: list[int]) -> tuple[list[int]
     if not any(kind < 0 for kind in head_types):
         return [0] * num_heads, [0] * num_heads
     if streaming_info is None:
-        raise ValueError(f"head_mask_type {head_types} has streaming heads (-1) but "
+        head = next(head for head, kind in enumerate(head_types) if kind < 0)
+        raise ValueError(f"head_mask_type[{head}] = {head_types[head]} is a streaming head but "
                          f"streaming_info is None; expected (2 * H,) = ({2 * num_heads},) ints "
                          f"[sink_0, local_0, sink_1, local_1, ...]")
     values = _int_values("streaming_info", streaming_info, 2 * num_heads,

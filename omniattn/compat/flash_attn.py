@@ -22,18 +22,31 @@ from __future__ import annotations
 
 import torch
 
-from ..api import attention
+from ..api import attention, check_window
+
+
+def _given(value) -> str:
+    """What a caller passed, for a message: a tensor's shape and dtype, never its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    if isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a {type(value).__name__}"
 
 
 def _unsupported(**given) -> None:
     for name, (value, default) in given.items():
-        if value is not default and value != default:
-            raise NotImplementedError(f"flash_attn façade: {name}={value!r} is not supported by "
-                                      f"omniattn (only {default!r})")
+        # `is` first: == on a tensor compares element-wise
+        if value is not default and (isinstance(value, torch.Tensor) or value != default):
+            raise NotImplementedError(f"flash_attn façade: {name} is not supported by omniattn "
+                                      f"(got {_given(value)}; only {default!r})")
 
 
 def _window(window_size) -> tuple[int, int] | None:
-    left, right = (int(w) for w in window_size)
+    """window_size as attention's window (None when unbounded both ways), checked by
+    attention's rule under the name window_size."""
+    check_window(window_size, "window_size")
+    left, right = window_size
     return None if left < 0 and right < 0 else (left, right)
 
 
@@ -44,7 +57,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """Returns (out (B, Sq, H, D), softmax_lse (B, H, Sq) float32)."""
     _unsupported(qv=(qv, None), q_descale=(q_descale, None), k_descale=(k_descale, None),
                  v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
-    return attention(q, k, v, causal=bool(causal), window=_window(window_size),
+    window = _window(window_size)
+    return attention(q, k, v, causal=bool(causal), window=window,
                      softmax_scale=softmax_scale, softcap=float(softcap),
                      seqlens_k_per_row=per_row_seqlens_k, deterministic=bool(deterministic),
                      return_lse=True)
@@ -63,10 +77,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(seqused_q=(seqused_q, None), qv=(qv, None),
                  q_descale=(q_descale, None), k_descale=(k_descale, None),
                  v_descale=(v_descale, None), attention_chunk=(attention_chunk, 0))
+    window = _window(window_size)
     if seqused_k is not None:
         per_row_seqlens_k = _used_keys_per_row(seqused_k, cu_seqlens_q, q.shape[0], causal,
-                                               window_size, per_row_seqlens_k)
-    return attention(q, k, v, causal=bool(causal), window=_window(window_size),
+                                               window, per_row_seqlens_k)
+    return attention(q, k, v, causal=bool(causal), window=window,
                      softmax_scale=softmax_scale, softcap=float(softcap),
                      seqlens_k_per_row=per_row_seqlens_k, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -74,15 +89,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      return_lse=True, check_inputs=False)
 
 
-def _used_keys_per_row(seqused_k, cu_seqlens_q, total_q: int, causal, window_size,
+def _used_keys_per_row(seqused_k, cu_seqlens_q, total_q: int, causal, window,
                        per_row_seqlens_k):
     """seqused_k (B,) as per-row key lengths (total_q,), ANDed with per_row_seqlens_k."""
-    if causal or _window(window_size) is not None:
+    if causal or window is not None:
         raise NotImplementedError("flash_attn façade: seqused_k with causal or window_size is not "
                                   "supported (the original aligns the diagonal to the used keys); "
                                   "pass per_row_seqlens_k or pack the used keys")
     if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
-        raise TypeError("seqused_k must be an int32 tensor of shape (B,)")
+        got = f"dtype {seqused_k.dtype}" if isinstance(seqused_k, torch.Tensor) \
+            else type(seqused_k).__name__
+        raise TypeError(f"seqused_k must be an int32 tensor of shape (B,), got {got}")
     if not isinstance(cu_seqlens_q, torch.Tensor) or \
             tuple(seqused_k.shape) != (cu_seqlens_q.shape[0] - 1,):
         raise ValueError(f"seqused_k has shape {tuple(seqused_k.shape)}; expected (B,) with B = "

@@ -46,7 +46,8 @@ class BlockMask:
         block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
         for name, size in (("block_size[0]", block_q), ("block_size[1]", block_k)):
             if not isinstance(size, int) or size <= 0 or size % 16:
-                raise ValueError(f"{name} must be a positive multiple of 16, got {size!r}; the "
+                got = size if isinstance(size, int) else type(size).__name__
+                raise ValueError(f"{name} must be a positive multiple of 16, got {got}; the "
                                  f"kernels map any such block onto their own tiles")
         _check_lists("kv_num_blocks", kv_num_blocks, "kv_indices", kv_indices)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
@@ -104,8 +105,11 @@ class BlockMask:
             got = tuple(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
             raise ValueError(f"element_slots must be {expected} (the lists' batch/head dims and "
                              f"the block grid), got {got}")
-        if ((slots < -1) | (slots >= bits.shape[0])).any():
-            raise ValueError(f"element_slots must lie in [-1, {bits.shape[0]}) (-1: no bitmap)")
+        bad_slot = (slots < -1) | (slots >= bits.shape[0])
+        if bool(bad_slot.any()):
+            at = tuple(int(i) for i in bad_slot.nonzero()[0])
+            raise ValueError(f"element_slots must lie in [-1, {bits.shape[0]}) (-1: no bitmap); "
+                             f"element_slots{list(at)} = {int(slots[at])}")
         # only PARTIAL blocks apply a bitmap: a FULL block cut by outer terms must not read one
         slots = torch.where(self.states == PARTIAL, slots.to(self.states.device), -1)
         return bits.to(torch.bool).contiguous(), slots.to(torch.int32).contiguous()
@@ -170,15 +174,22 @@ class BlockMask:
 
     def _check_indices(self) -> None:
         n_k = self.n_blocks[1]
-        for num, idx, name in ((self.kv_num_blocks, self.kv_indices, "kv_indices"),
-                               (self.full_kv_num_blocks, self.full_kv_indices, "full_kv_indices")):
-            if (num < 0).any() or (num > idx.shape[-1]).any():
-                raise ValueError(f"block counts must lie in [0, {idx.shape[-1]}] (the columns of "
-                                 f"{name})")
+        for num, idx, num_name, name in (
+                (self.kv_num_blocks, self.kv_indices, "kv_num_blocks", "kv_indices"),
+                (self.full_kv_num_blocks, self.full_kv_indices, "full_kv_num_blocks",
+                 "full_kv_indices")):
+            bad_count = (num < 0) | (num > idx.shape[-1])
+            if bool(bad_count.any()):
+                at = tuple(int(i) for i in bad_count.nonzero()[0])
+                raise ValueError(f"{num_name}{list(at)} = {int(num[at])} is outside "
+                                 f"[0, {idx.shape[-1]}] (the columns of {name})")
             listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-            if ((idx < 0) | (idx >= n_k))[listed].any():
+            bad_index = listed & ((idx < 0) | (idx >= n_k))
+            if bool(bad_index.any()):
+                at = tuple(int(i) for i in bad_index.nonzero()[0])
                 raise ValueError(f"{name} lists a key block outside [0, {n_k}) for "
-                                 f"Sk = {self.seq_lengths[1]} and block size {self.block_size[1]}")
+                                 f"Sk = {self.seq_lengths[1]} and block size "
+                                 f"{self.block_size[1]}: {name}{list(at)} = {int(idx[at])}")
 
     def _partial_keep(self, b, h, q_idx, kv_idx) -> torch.Tensor:
         """What a PARTIAL block shows at these elements: the predicate AND its bitmap.

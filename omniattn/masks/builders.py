@@ -10,8 +10,20 @@ from .block_mask import BlockMask
 from .evaluate import predicate_blocks
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _pair(block_size) -> tuple[int, int]:
-    return (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    """(BQ, BK) from an int or a pair; BlockMask checks that they are multiples of 16."""
+    pair = (block_size, block_size) if _is_int(block_size) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(b) for b in pair):
+        raise TypeError(f"block_size must be an int or a pair of ints (BQ, BK), got "
+                        f"{type(block_size).__name__}")
+    for i, size in enumerate(pair):
+        if size <= 0 or size % 16:
+            raise ValueError(f"block_size[{i}] must be a positive multiple of 16, got {size}")
+    return tuple(pair)
 
 
 def _relative_block_mask(seqlen_q, seqlen_k, block_size, causal, window, device) -> BlockMask:
@@ -39,14 +51,29 @@ def window_block_mask(seqlen_q: int, seqlen_k: int, window: tuple[int, int], cau
 def block_mask_from_blocks(blocks: torch.Tensor, block_size: int | tuple[int, int] = 128,
                            seq_lengths: tuple[int, int] | None = None) -> BlockMask:
     """From a bool (B|1, H|1, n_q_blocks, n_k_blocks) picture: True blocks are fully visible
-    (FULL), the others hidden. seq_lengths defaults to the blocks times the block size."""
-    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
-        got = f"{blocks.dtype} tensor of shape {tuple(blocks.shape)}" \
-            if isinstance(blocks, torch.Tensor) else type(blocks).__name__
-        raise TypeError(f"blocks must be a bool tensor (B|1, H|1, n_q_blocks, n_k_blocks), got {got}")
+    (FULL), the others hidden. seq_lengths (Sq, Sk) defaults to the blocks times the block size;
+    it must need exactly the picture's n_q_blocks x n_k_blocks blocks."""
+    if not isinstance(blocks, torch.Tensor):
+        raise TypeError(f"blocks must be a bool torch.Tensor (B|1, H|1, n_q_blocks, n_k_blocks), "
+                        f"got {type(blocks).__name__}")
+    if blocks.dtype != torch.bool:
+        raise TypeError(f"blocks must be a bool tensor (True = visible block), got dtype "
+                        f"{blocks.dtype}")
+    if blocks.dim() != 4:
+        raise ValueError(f"blocks must be 4-D (B|1, H|1, n_q_blocks, n_k_blocks), got shape "
+                         f"{tuple(blocks.shape)}")
     block_q, block_k = _pair(block_size)
+    grid = tuple(blocks.shape[2:])
     if seq_lengths is None:
-        seq_lengths = (blocks.shape[2] * block_q, blocks.shape[3] * block_k)
+        seq_lengths = (grid[0] * block_q, grid[1] * block_k)
+    if not isinstance(seq_lengths, (tuple, list)) or len(seq_lengths) != 2 \
+            or not all(_is_int(n) for n in seq_lengths):
+        raise TypeError(f"seq_lengths must be a pair of ints (Sq, Sk), got "
+                        f"{type(seq_lengths).__name__}")
+    needed = (-(-seq_lengths[0] // block_q), -(-seq_lengths[1] // block_k))
+    if needed != grid:
+        raise ValueError(f"seq_lengths = {tuple(seq_lengths)} needs {needed} blocks of "
+                         f"{(block_q, block_k)}, but blocks has {grid} (its last two dims)")
     states = blocks.to(torch.int8) * FULL
     return BlockMask.from_states(states, (block_q, block_k), seq_lengths)
 
@@ -104,14 +131,27 @@ def document_block_mask(cu_seqlens: torch.Tensor, block_size: int | tuple[int, i
     [cu_seqlens[d], cu_seqlens[d + 1]) (and j <= i with causal). cu_seqlens: int (D + 1,) from 0
     to the total length S, non-decreasing; the mask is (1, 1, S, S), on cu_seqlens' device.
     Blocks inside one document are FULL, blocks across documents hidden, the rest PARTIAL."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens must be a 1-D tensor (documents + 1,) of offsets from 0")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor (documents + 1,) of offsets "
+                        f"from 0, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
+            or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (documents + 1,) of offsets "
+                         f"from 0, got shape {tuple(cu_seqlens.shape)}")
     block_q, block_k = _pair(block_size)
     device = cu_seqlens.device
     bounds = cu_seqlens.long()
     total = int(bounds[-1])
-    if int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds.tolist()}")
+    if int(bounds[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease; cu_seqlens[0] = "
+                         f"{int(bounds[0])}")
+    decreasing = bounds[1:] < bounds[:-1]
+    if bool(decreasing.any()):
+        at = int(decreasing.nonzero()[0]) + 1
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease; cu_seqlens[{at}] = "
+                         f"{int(bounds[at])} is below cu_seqlens[{at - 1}] = {int(bounds[at - 1])}")
     document = torch.bucketize(torch.arange(total, device=device), bounds[1:], right=True)
 
     def block_documents(block: int) -> tuple[torch.Tensor, torch.Tensor]:
