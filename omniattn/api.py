@@ -17,7 +17,7 @@ from .kernels.fwd_hopper import gluon_candidate
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, batch_shape, length_order
 from .masks.block_mask import BlockMask
-from .predicate import RelativePredicate, coarsen_states
+from .predicate import RelativePredicate, check_window, coarsen_states
 from .reference import attention_reference
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,21 +66,6 @@ def _check_qkv(q, k, v, packed: bool) -> None:
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, got "
                              f"strides {t.stride()}; call {name}.contiguous() first")
-
-
-def check_window(window, name: str = "window") -> None:
-    """The window rule of `attention` and the compat façades, under the caller's argument name:
-    None, or a (left, right) pair of ints, each >= 0 or -1 (unbounded on that side)."""
-    if window is None:
-        return
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        # the types, never the values: a window of tensors must not print them
-        got = type(window).__name__ if not isinstance(window, (tuple, list)) else \
-            f"{type(window).__name__}[{', '.join(type(w).__name__ for w in window)}]"
-        raise TypeError(f"{name} must be a (left, right) pair of ints, got {got}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"{name} offsets must be >= 0, or -1 for unbounded, got {tuple(window)}")
 
 
 def _check_options(causal, window, softmax_scale, softcap, dropout_p) -> None:

@@ -17,6 +17,21 @@ import torch
 HIDDEN, PARTIAL, FULL = 0, 1, 2  # tile / block states
 
 
+def check_window(window, name: str = "window") -> None:
+    """The window rule of `attention` and the compat façades, under the caller's argument name:
+    None, or a (left, right) pair of ints, each >= 0 or -1 (unbounded on that side)."""
+    if window is None:
+        return
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        # the types, never the values: a window of tensors must not print them
+        got = type(window).__name__ if not isinstance(window, (tuple, list)) else \
+            f"{type(window).__name__}[{', '.join(type(w).__name__ for w in window)}]"
+        raise TypeError(f"{name} must be a (left, right) pair of ints, got {got}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"{name} offsets must be >= 0, or -1 for unbounded, got {tuple(window)}")
+
+
 @dataclass(frozen=True)
 class RelativePredicate:
     """Key j visible to query i iff -left <= j - i - (Sk - Sq) <= right; -1 = unbounded."""

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..api import attention, check_window
+from ..api import attention
+from ..predicate import check_window
 
 
 def _given(value) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..predicate import FULL, HIDDEN, PARTIAL, RelativePredicate
+from ..predicate import FULL, HIDDEN, PARTIAL, RelativePredicate, check_window
 from .block_mask import BlockMask
 from .evaluate import predicate_blocks
 
@@ -45,6 +45,7 @@ def window_block_mask(seqlen_q: int, seqlen_k: int, window: tuple[int, int], cau
                       block_size: int | tuple[int, int] = 128, device=None) -> BlockMask:
     """Sliding window (left, right) around the bottom-right aligned diagonal, -1 = unbounded,
     optionally ANDed with causal."""
+    check_window(window)
     return _relative_block_mask(seqlen_q, seqlen_k, block_size, causal, tuple(window), device)
 
 
