@@ -16,9 +16,11 @@ import functools
 import json
 import platform
 import re
+import statistics
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from time import process_time
 from typing import Callable, NamedTuple
 
 import torch
@@ -59,6 +61,15 @@ DOCUMENTS = {"long": (1 / 128, 1 / 4), "short": (1 / 512, 1 / 16)}
 ELEMENT_MASK_PROVIDERS = ("omniattn", "flex", "sdpa-efficient", "sdpa-math")
 # backward = 2.5x forward FLOPs (FlashAttention's convention: 5 matmuls against 2)
 _FWD_BWD_FLOP_FACTOR = 3.5
+# CPU timing (`_time_cpu`): untimed calls first (the first call of a pass can run 100x slower),
+# then at least CPU_MIN_RUNS timed calls lasting CPU_MIN_TIME_S in all, their median reported.
+# On one thread, in process CPU time: on a CPU shared with other work, several threads wait on
+# each other and a call's wall time swings 10-100x; CPU time leaves out the waits for a core
+# (idle, the two clocks agree)
+CPU_WARMUP_RUNS = 3
+CPU_MIN_RUNS = 20
+CPU_MIN_TIME_S = 0.1
+CPU_TIMING_THREADS = 1
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -715,14 +726,40 @@ def _flops(workload: Workload, pairs: int, mode: str) -> float:
     return fwd * (_FWD_BWD_FLOP_FACTOR if mode == "fwd+bwd" else 1.0)
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    from torch.utils.benchmark import Timer
+class Timing(NamedTuple):
+    """A median time per call and the calls behind it: `warmup_runs` untimed, then
+    `timed_runs` timed (both None where do_bench picks them from its time budgets; all three None
+    for a run that raised)."""
 
-    # Timer defaults to one thread; measure with the threads the process would really use
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=0.2).median * 1e3
+    ms: float | None
+    warmup_runs: int | None
+    timed_runs: int | None
+
+
+def _timer_fields(device: torch.device) -> dict:
+    """How a device's runs are timed, as records carry it: the clock and the CPU threads."""
+    if device.type == "cuda":
+        return {"timer": "triton.testing.do_bench", "threads": None}
+    return {"timer": "time.process_time", "threads": CPU_TIMING_THREADS}
+
+
+def _time_cpu(fn: Callable[[], object]) -> Timing:
+    """Median process CPU time per call of fn on CPU_TIMING_THREADS threads, after
+    CPU_WARMUP_RUNS untimed calls, over at least CPU_MIN_RUNS calls and CPU_MIN_TIME_S seconds of
+    them; the process's thread count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_TIMING_THREADS)
+    try:
+        for _ in range(CPU_WARMUP_RUNS):
+            fn()
+        seconds = []
+        while len(seconds) < CPU_MIN_RUNS or sum(seconds) < CPU_MIN_TIME_S:
+            start = process_time()
+            fn()
+            seconds.append(process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return Timing(statistics.median(seconds) * 1e3, CPU_WARMUP_RUNS, len(seconds))
 
 
 def _make_inputs(workload: Workload, device: torch.device, requires_grad: bool):
@@ -754,10 +791,13 @@ def _step(attn: BuiltAttention, mode: str, q, k, v, dout) -> Callable[[], object
 
 
 def _measure(build, workload: Workload, extra: ExtraInputs, mode: str, device: torch.device,
-             inputs) -> float:
+             inputs) -> Timing:
     step = _step(build(workload, device, extra), mode, *inputs)
+    if device.type != "cuda":
+        return _time_cpu(step)
     step()  # compiles kernels and surfaces an unavailable backend before timing starts
-    return _time_ms(step, device)
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    return Timing(ms, None, None)
 
 
 def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str, ...]:
@@ -835,10 +875,12 @@ def run_suite(
 ) -> list[dict]:
     """One dict per workload x mode x provider: the workload's fields, device, provider, mode,
     flops (tile count), flops_exact, active_tile_fraction (element masks and row lengths; else
-    None), ms, tflops, error. A provider that raises is recorded with its error (ms and tflops
-    None) and the suite goes on. Sparse workloads (density set) run only BLOCK_MASK_PROVIDERS,
-    dynamic ones (topk set) and rows ones (row_lengths set) only ELEMENT_MASK_PROVIDERS; masks,
-    bias and lengths are built once per workload (`ExtraInputs`)."""
+    None), ms (the median per call), tflops, error, and how ms was taken: timer, threads (CPU
+    threads; None on the GPU), warmup_runs and timed_runs (calls; None where do_bench picks
+    them, see `Timing`). A provider that raises is recorded with its error (ms, tflops and the
+    counts None) and the suite goes on. Sparse workloads (density set) run only
+    BLOCK_MASK_PROVIDERS, dynamic ones (topk set) and rows ones (row_lengths set) only
+    ELEMENT_MASK_PROVIDERS; masks, bias and lengths are built once per workload (`ExtraInputs`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     providers = tuple(providers or default_providers(device))
     builders = _providers()
@@ -861,16 +903,19 @@ def run_suite(
             for provider in _providers_for(workload, providers):
                 if bar is not None:
                     bar.set_description(f"{workload.name} {mode} {provider}")
-                ms, error = None, None
                 try:
-                    ms = _measure(builders[provider], workload, extra, mode, device, inputs)
+                    timing = _measure(builders[provider], workload, extra, mode, device, inputs)
+                    error = None
                 except Exception as exc:  # a backend that is unavailable here, or out of memory
-                    error = _describe_error(exc)
+                    timing, error = Timing(None, None, None), _describe_error(exc)
+                ms = timing.ms
                 results.append({
                     **_workload_fields(workload), "device": device.type, "provider": provider,
                     "mode": mode, "flops": flops, "flops_exact": _flops(workload, exact, mode),
                     "active_tile_fraction": active_tile_fraction, "ms": ms,
                     "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12, "error": error,
+                    **_timer_fields(device), "warmup_runs": timing.warmup_runs,
+                    "timed_runs": timing.timed_runs,
                 })
                 if bar is not None:
                     bar.update()
@@ -934,28 +979,71 @@ def environment_info() -> dict:
 def _header(results: list[dict], tflops: bool = True) -> str:
     """`tflops=False` for a plot with no TFLOP/s panel: its times need no FLOP convention."""
     if any(r["device"] == "cpu" for r in results):
-        path = "Triton interpreter" if interpreting() else "reference path"
-        return f"CPU: omniattn {path} vs SDPA math; not a GPU benchmark"
+        path = "Triton kernels under the interpreter" if interpreting() else "reference path"
+        return (f"CPU: a smoke test of omniattn's {path} against SDPA math, not a speed "
+                f"measurement of the kernels; run on a GPU for that")
     if not tflops:
         return "GPU: median time per call"
     return "GPU: TFLOP/s = FLOPs of the tiles omniattn computes / time, for every provider"
 
 
+def _timing_lines(results: list[dict]) -> list[str]:
+    """How the CPU rows' times were taken, from their records; none for do_bench's rows or
+    records that predate the counts."""
+    counted = [r for r in results if r.get("timed_runs")]
+    if not counted:
+        return []
+    runs = min(r["timed_runs"] for r in counted)
+    warmups, threads = ("/".join(map(str, sorted({r[field] for r in counted})))
+                        for field in ("warmup_runs", "threads"))
+    return [f"ms: median CPU time per call over >= {runs} timed calls per row, after {warmups} "
+            f"untimed warm-up calls; CPU threads {threads}; clock {counted[0]['timer']}"]
+
+
+def _mask_label(r: dict) -> str:
+    """The mask form of a record's workload, e.g. "causal", "block 0.50 of 64x64" (records
+    older than a mask kind lack its field)."""
+    causal = " causal" if r["causal"] else ""
+    if r.get("density") is not None:
+        return f"block {r['density']:.2f} of {r['block_size']}x{r['block_size']}"
+    if r.get("topk") is not None:
+        return f"top-{r['topk']}{causal} + {r['bias']} bias"
+    if r.get("row_lengths") is not None:
+        return f"row lengths {r['row_lengths']}"
+    if r.get("window") is not None:  # a list in records read back from JSON
+        return f"window {tuple(r['window'])}"
+    if r.get("documents") is not None:
+        return f"docs {r['documents']}{causal}"
+    return "causal" if r["causal"] else "none"
+
+
+# the table's columns naming a row: the workload's shape, mask and mode; left-aligned where text
+_ROW_COLUMNS = ("workload", "B", "Sq", "Sk", "H/Hk", "D", "dtype", "mask", "mode")
+_TEXT_COLUMNS = {"workload", "dtype", "mask", "mode"}
+
+
+def _row_cells(r: dict) -> list[str]:
+    return [r["name"], str(r["batch"]), str(r["seqlen_q"]), str(r["seqlen_k"]),
+            f"{r['heads']}/{r['heads_k']}", str(r["head_dim"]), r["dtype"], _mask_label(r),
+            r["mode"]]
+
+
 def format_table(results: list[dict]) -> str:
-    """Plain-text table: one row per (workload, mode), ms and TFLOP/s columns per provider
-    ('-' where the provider has no row: SDPA on sparse workloads, SDPA flash and cuDNN on dynamic
-    and rows ones); errors are listed under it, then notes on the sparse, dynamic and rows
-    workloads."""
+    """Plain-text table: one row per (workload, mode), labelled with its shape (B, Sq, Sk, H/Hk,
+    D, dtype) and mask form, ms and TFLOP/s columns per provider ('-' where the provider has no
+    row: SDPA on sparse workloads, SDPA flash and cuDNN on dynamic and rows ones); under the
+    header, how CPU times were taken; errors are listed under the table, then notes on the
+    sparse, dynamic and rows workloads."""
     providers = list(dict.fromkeys(r["provider"] for r in results))
     rows = {}
     for r in results:
         rows.setdefault((r["name"], r["mode"]), {})[r["provider"]] = r
-    header = ["workload", "mode"]
+    header = list(_ROW_COLUMNS)
     for provider in providers:
         header += [f"{provider} ms", f"{provider} TFLOP/s"]
     table = [header]
-    for (name, mode), by_provider in rows.items():
-        line = [name, mode]
+    for by_provider in rows.values():
+        line = _row_cells(next(iter(by_provider.values())))
         for provider in providers:
             r = by_provider.get(provider)
             if r is None or r["ms"] is None:
@@ -964,10 +1052,10 @@ def format_table(results: list[dict]) -> str:
                 line += [f"{r['ms']:.3f}", f"{r['tflops']:.4g}"]
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = [_header(results), ""]
+    lines = [_header(results), *_timing_lines(results), ""]
     for i, row in enumerate(table):
-        # names left-aligned, numbers right-aligned
-        cells = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.ljust(w) if name in _TEXT_COLUMNS else c.rjust(w)
+                 for name, c, w in zip(header, row, widths)]
         lines.append("  ".join(cells))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))

@@ -248,6 +248,7 @@ def test_window_providers_agree(reference_path):
     assert row["window"] == (9, 4)
     assert row["flops_exact"] == 4 * 2 * 16 * bench.visible_pairs(64, 64, False, (9, 4))
     assert "window<left>-<right>" in bench.format_table([row])
+    assert "window (9, 4)" in bench.format_table([row])
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -277,6 +278,7 @@ def test_varlen_workload_inputs_flops_and_providers(reference_path, causal):
         bench.computed_pairs(n, n, causal, tile.block_m, tile.block_n) for n in lengths.tolist())
     assert row["flops_exact"] == 4 * 2 * 16 * mask.sum().item()
     assert "docs-<lengths>" in bench.format_table([row])
+    assert f"docs short{' causal' if causal else ''} " in bench.format_table([row])
     assert bench._providers_for(workload, bench.PROVIDERS) == (
         "omniattn", "sdpa-efficient", "sdpa-math", "flex")
 
@@ -558,6 +560,110 @@ def test_format_table_names_workloads(tiny_results):
     assert "ratio fwd " in table and ", fwd+bwd " in table
 
 
+def test_cpu_table_labels_rows_and_says_smoke_test(tiny_results):
+    """Every row of the CPU table names its full shape (B, Sq, Sk, H/Hk, D, dtype) and mask
+    form; the header says it is a smoke test, not a measurement of the kernels, and how the
+    times were taken."""
+    lines = bench.format_table(tiny_results).splitlines()
+    assert "smoke test" in lines[0] and "not a speed measurement of the kernels" in lines[0]
+    assert "run on a GPU for that" in lines[0]
+    fewest = min(r["timed_runs"] for r in tiny_results)  # the tiny calls run past the minimum
+    assert lines[1] == (f"ms: median CPU time per call over >= {fewest} timed calls "
+                        f"per row, after {bench.CPU_WARMUP_RUNS} untimed warm-up calls; CPU "
+                        f"threads 1; clock time.process_time")
+    header = lines[3].split()
+    assert header[:9] == ["workload", "B", "Sq", "Sk", "H/Hk", "D", "dtype", "mask", "mode"]
+    masks = {"tiny-sparse": "block 0.50 of 16x16", "tiny-dense": "none",
+             "tiny-dyn": "top-16 causal + full bias", "tiny-rows": "row lengths uniform"}
+    rows = [line for line in lines[5:] if line.startswith("tiny-")]
+    assert len(rows) == len({(r["name"], r["mode"]) for r in tiny_results}) == 8
+    for line in rows:
+        name = line.split()[0]
+        assert line.split()[1:7] == ["1", "64", "64", "2/2", "16", "float32"]
+        assert f" {masks[name]} " in line
+
+
+def test_cpu_records_carry_warmup_and_median_counts(tiny_results):
+    """Each CPU record says its time is the median over at least CPU_MIN_RUNS timed calls,
+    after CPU_WARMUP_RUNS untimed ones, on one thread."""
+    assert bench.CPU_WARMUP_RUNS >= 1 and bench.CPU_MIN_RUNS >= 10
+    for r in tiny_results:
+        assert r["timer"] == "time.process_time" and r["threads"] == 1
+        assert r["warmup_runs"] == bench.CPU_WARMUP_RUNS
+        assert r["timed_runs"] >= bench.CPU_MIN_RUNS
+
+
+def _scripted_clock(monkeypatch, durations):
+    """bench's CPU clock advanced only by a step that takes the next of `durations` (seconds)
+    per call; returns the step and the thread counts it ran under."""
+    now, remaining, threads = [0.0], iter(durations), []
+    monkeypatch.setattr(bench, "process_time", lambda: now[0])
+
+    def step():
+        threads.append(torch.get_num_threads())
+        now[0] += next(remaining)
+
+    return step, threads
+
+
+def test_time_cpu_reports_the_median_after_warmup(monkeypatch):
+    """The warm-up calls are not timed; the time is the median of the timed calls (not their
+    mean nor minimum), on CPU_TIMING_THREADS threads, the thread count restored after."""
+    monkeypatch.setattr(bench, "CPU_WARMUP_RUNS", 3)
+    monkeypatch.setattr(bench, "CPU_MIN_RUNS", 20)
+    monkeypatch.setattr(bench, "CPU_MIN_TIME_S", 0.1)
+    timed = [0.03, 0.01, 0.02] * 6 + [9.0, 9.0]
+    step, threads = _scripted_clock(monkeypatch, [100.0] * 3 + timed)
+    before = torch.get_num_threads()
+    timing = bench._time_cpu(step)
+    assert timing == (pytest.approx(20.0), 3, 20)
+    assert threads == [bench.CPU_TIMING_THREADS] * 23
+    assert torch.get_num_threads() == before
+
+
+def test_time_cpu_runs_until_the_minimum_time(monkeypatch):
+    """Calls shorter than CPU_MIN_TIME_S / CPU_MIN_RUNS are repeated until CPU_MIN_TIME_S."""
+    monkeypatch.setattr(bench, "CPU_MIN_RUNS", 20)
+    monkeypatch.setattr(bench, "CPU_MIN_TIME_S", 0.1)
+    call = 0.1 / 40.5  # 41 calls reach the minimum time, 40 do not
+    step, _ = _scripted_clock(monkeypatch, [call] * (bench.CPU_WARMUP_RUNS + 100))
+    timing = bench._time_cpu(step)
+    assert timing.timed_runs == 41 and timing.ms == pytest.approx(call * 1e3)
+
+
+def test_time_cpu_restores_threads_when_the_step_raises():
+    before = torch.get_num_threads()
+
+    def failing():
+        raise RuntimeError("backend unavailable")
+
+    with pytest.raises(RuntimeError, match="backend unavailable"):
+        bench._time_cpu(failing)
+    assert torch.get_num_threads() == before
+
+
+def test_gpu_timing_is_do_bench(monkeypatch):
+    """On CUDA a run is one untimed call, then do_bench's median over its 25 ms warm-up and
+    100 ms budget; its records name no counts or threads."""
+    calls, benched = [], []
+
+    def fake_do_bench(fn, **kwargs):
+        benched.append(kwargs)
+        fn()
+        return 1.5
+
+    monkeypatch.setattr(bench.triton.testing, "do_bench", fake_do_bench)
+    built = bench.BuiltAttention(lambda q, k, v: calls.append("fn") or q)
+    workload = _tiny("tiny-dense")
+    timing = bench._measure(lambda *args: built, workload, None, "fwd", torch.device("cuda"),
+                            (torch.zeros(1),) * 4)
+    assert timing == (1.5, None, None)
+    assert calls == ["fn", "fn"]
+    assert benched == [{"warmup": 25, "rep": 100, "return_mode": "median"}]
+    assert bench._timer_fields(torch.device("cuda")) == {"timer": "triton.testing.do_bench",
+                                                         "threads": None}
+
+
 def test_write_json_round_trips(tiny_results, tmp_path):
     path = tmp_path / "bench.json"
     bench.write_json(path, tiny_results)
@@ -574,7 +680,7 @@ def test_plot_writes_png(tiny_results, tmp_path):
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
-def test_plot_draws_time_against_seqlen(tmp_path, monkeypatch):
+def test_plot_draws_time_against_seqlen(tmp_path, monkeypatch, reference_path):
     """Rows of one family at MIN_SEQLEN_SERIES lengths with the same batch x seqlen are drawn
     as time against sequence length, not as bars; the same family at other token counts, or at
     fewer lengths, stays in the bars. Records read back from JSON (windows as lists) draw too."""
