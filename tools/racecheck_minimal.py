@@ -12,6 +12,8 @@ Variants, each copying src (rows, COLS) into dst and checked against it:
 - bare: no shared memory of its own, nothing handed over; the partitions capture kernel
   arguments and program ids only (Triton rematerialises those in each partition), so the only
   shared-memory traffic is warp_specialize's own (which partition each worker warp runs).
+- wide: as bare, with the attention forward's partitions: a default of 4 warps and workers of
+  4, 4 and 1 warps (bare has one 1-warp worker).
 - captures: as bare, but the row count is loaded from global memory, a value Triton cannot
   rematerialise: it goes to the workers through warp_specialize's capture area in shared memory.
 - smem: the worker copies tiles through registers into a ring of shared-memory buffers
@@ -35,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-VARIANTS = ("bare", "captures", "smem", "tma")
+VARIANTS = ("bare", "wide", "captures", "smem", "tma")
 TILE_ROWS = 16
 COLS = 64
 NUM_BUF = 2
@@ -63,6 +65,18 @@ def _ws_bare_kernel(Src, Dst, rows_per_program, COLS: gl.constexpr):
     gl.warp_specialize([(_copy_rows, (Src, Dst, first, half, COLS, 4)),
                         (_copy_rows, (Src, Dst, first + half, rows_per_program - half, COLS, 1))],
                        [1], [40])
+
+
+@gluon.jit
+def _ws_wide_kernel(Src, Dst, rows_per_program, COLS: gl.constexpr):
+    first = gl.program_id(0) * rows_per_program
+    part = rows_per_program // 4
+    gl.warp_specialize([(_copy_rows, (Src, Dst, first, part, COLS, 4)),
+                        (_copy_rows, (Src, Dst, first + part, part, COLS, 4)),
+                        (_copy_rows, (Src, Dst, first + 2 * part, part, COLS, 4)),
+                        (_copy_rows, (Src, Dst, first + 3 * part, rows_per_program - 3 * part,
+                                      COLS, 1))],
+                       [4, 4, 1], [40, 40, 40])
 
 
 @gluon.jit
@@ -166,7 +180,7 @@ def _ws_tma_kernel(src_desc, Dst, Rounds, TILE_ROWS: gl.constexpr, COLS: gl.cons
                        [1], [40])
 
 
-KERNELS = {"bare": _ws_bare_kernel, "captures": _ws_captures_kernel, "smem": _ws_smem_kernel,
+KERNELS = {"bare": _ws_bare_kernel, "wide": _ws_wide_kernel, "captures": _ws_captures_kernel, "smem": _ws_smem_kernel,
            "tma": _ws_tma_kernel}
 
 
@@ -176,6 +190,8 @@ def launch_arguments(variant: str, src: torch.Tensor, dst: torch.Tensor):
     rows_per_program = ROUNDS * TILE_ROWS
     if variant == "bare":
         return _ws_bare_kernel, (PROGRAMS,), (src, dst, rows_per_program), dict(COLS=COLS)
+    if variant == "wide":
+        return _ws_wide_kernel, (PROGRAMS,), (src, dst, rows_per_program), dict(COLS=COLS)
     if variant == "captures":
         count = torch.tensor([rows_per_program], dtype=torch.int32, device=src.device)
         return _ws_captures_kernel, (PROGRAMS,), (src, dst, count), dict(COLS=COLS)

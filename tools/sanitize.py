@@ -187,8 +187,9 @@ _OFF = (("OMNIATTN_GLUON", "0"),)
 
 FAMILIES = (
     Family("minimal", "tools/racecheck_minimal.py: race-free warp_specialize kernels (bare, "
-           "captures, smem, tma)", ("_ws_bare_kernel", "_ws_captures_kernel", "_ws_smem_kernel",
-                                    "_ws_tma_kernel"), _minimal),
+           "wide, captures, smem, tma)", ("_ws_bare_kernel", "_ws_wide_kernel",
+                                          "_ws_captures_kernel", "_ws_smem_kernel",
+                                          "_ws_tma_kernel"), _minimal),
     Family("gluon-dense", "dense D128: fwd_hopper, bwd_hopper", _GLUON, _dense()),
     Family("gluon-causal", "causal D128", _GLUON, _dense(causal=True)),
     Family("gluon-mask-key-bias", "element mask (B, H, S, S) + key bias (B, H, 1, S): the "
