@@ -5,12 +5,19 @@ window, element mask, additive bias (broadcast, never expanded), per-row key len
 softcap, GQA, LSE, dropout (from torch.rand), and rows that see no key (output 0, lse -inf, zero
 gradients).
 
+A NaN in q, k, v or attn_bias reaches exactly the rows that see it: their outputs (and lse,
+unless the NaN is in v) and the gradients they reach are NaN; masked elements and the other rows
+are as without it.
+
 Queries are processed in chunks so memory stays O(chunk * Sk). When gradients are needed each
-chunk runs under activation checkpointing, so the backward pass also stays O(chunk * Sk).
+chunk runs under activation checkpointing and builds its masks inside from O(chunk)-sized
+inputs, so what the forward keeps for the backward is O(B * H * Sq * D) besides the inputs, and
+the backward recomputes each chunk in O(chunk * Sk).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -30,33 +37,113 @@ def _as_5d(t: torch.Tensor, num_heads_k: int, group: int) -> torch.Tensor:
     return t.view(b, hm, 1, sq, sk)
 
 
+@dataclass(frozen=True)
+class _KeyVisibility:
+    """What decides which keys a row sees, apart from the per-row tensors each chunk is given:
+    the causal/window predicate, the block mask, and the heads layout of the masks."""
+
+    predicate: RelativePredicate
+    block_mask: object
+    seqlen_q: int
+    seqlen_k: int
+    num_heads_k: int
+    group: int
+
+    def keep(self, first_row: int, num_rows: int, mask: torch.Tensor | None,
+             row_lens: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """Bool, broadcastable to [B, Hk, G, c, Sk]: which keys rows first_row..first_row + c
+        see; None when all of them. mask: the chunk's rows of the (B|1, Hk|1, G|1, c|1, Sk|1)
+        element mask (bool, or numeric: nonzero = keep); row_lens: (B, c) key lengths."""
+        q_idx = torch.arange(first_row, first_row + num_rows, device=device)
+        keep = self.predicate.visible(q_idx, self.seqlen_q, self.seqlen_k)
+        keep = keep.view(1, 1, 1, num_rows, self.seqlen_k) if keep is not None else None
+        if mask is not None:
+            by_mask = mask if mask.dtype == torch.bool else mask != 0
+            keep = by_mask if keep is None else keep & by_mask
+        if self.block_mask is not None:
+            by_blocks = self.block_mask.visible(q_idx, self.seqlen_q, self.seqlen_k).to(device)
+            by_blocks = _as_5d(by_blocks, self.num_heads_k, self.group)
+            keep = by_blocks if keep is None else keep & by_blocks
+        if row_lens is not None:
+            k_idx = torch.arange(self.seqlen_k, device=device)
+            by_len = k_idx.view(1, 1, 1, 1, -1) < row_lens.view(row_lens.shape[0], 1, 1, -1, 1)
+            keep = by_len if keep is None else keep & by_len
+        return keep
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, Hk, G, c, D] @ k [B, Hk, 1, Sk, D]^T, where an inf/NaN in query row i or key j
+    reaches score (i, j) only, in the backward too: the plain product's gradients would carry
+    0 * NaN (a masked score's zero gradient times the NaN) from a key to the rows that don't see
+    it, and from a row to the keys it doesn't see. The inf/NaN elements get zero gradients."""
+    q_finite, k_finite = torch.isfinite(q), torch.isfinite(k)
+    if q_finite.all() and k_finite.all():
+        return torch.matmul(q, k.transpose(-1, -2))
+    q_clean, k_clean = torch.where(q_finite, q, 0.0), torch.where(k_finite, k, 0.0)
+    clean = torch.matmul(q_clean, k_clean.transpose(-1, -2))
+    with torch.no_grad():
+        plain = torch.matmul(q, k.transpose(-1, -2))
+        reached = ~q_finite.all(-1, keepdim=True) | ~k_finite.all(-1).unsqueeze(-2)
+        # the plain product's values where they are not finite, with the gradients of clean
+        correction = torch.where(reached, plain - clean, 0.0)
+    return clean + correction
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """probs [B, Hk, G, c, Sk] @ v [B, Hk, 1, Sk, D], where a key's inf/NaN values reach only
+    the rows that see it (seen, like probs; probs are 0 where not seen): the plain product also
+    adds 0 * NaN to the rows that don't. Its gradient puts the NaN in that key's column of the
+    gradient of probs, which the caller keeps to the rows that see the key."""
+    finite = torch.isfinite(v)
+    reached = torch.matmul(seen.to(v.dtype), (~finite).to(v.dtype)) > 0
+    return torch.where(reached, torch.matmul(probs, v),
+                       torch.matmul(probs, torch.where(finite, v, 0.0)))
+
+
 def _chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor | None,
-    keep: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    row_lens: torch.Tensor | None,
+    first_row: int,
+    visibility: _KeyVisibility,
     scale: float,
     softcap: float,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hk, G, c, D], k/v [B, Hk, 1, Sk, D], keep broadcastable to [B, Hk, G, c, Sk]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hk, G, c, Sk]
+    """Rows first_row.. of the output: q [B, Hk, G, c, D], k/v [B, Hk, 1, Sk, D]; bias and mask
+    the chunk's rows of the user's (B|1, Hk|1, G|1, c|1, Sk|1) views, row_lens (B, c). Returns
+    out [B, Hk, G, c, D] and lse [B, Hk, G, c]. The keep mask is built here, from these
+    O(c)-sized inputs, so that under checkpointing the backward recomputes it chunk by chunk
+    instead of keeping a (c, Sk) mask of every chunk.
+
+    A NaN in q, k, v or the bias reaches exactly the rows that see it (a row sees the keys whose
+    score is not -inf), in the output and in the gradients."""
+    keep = visibility.keep(first_row, q.shape[-2], mask, row_lens, q.device)
+    scores = _scores(q, k) * scale  # [B, Hk, G, c, Sk]
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
-        scores = scores + bias
+        scores = scores + bias.to(scores.dtype)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hk, G, c]
-    seen = torch.isfinite(lse)
-    # rows that see no key: probabilities 0 instead of NaN, lse stays -inf
-    probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = torch.where(seen.unsqueeze(-1), probs, torch.zeros_like(probs))
+    # rows that see no key (lse -inf) subtract 0: probabilities and gradients 0, not NaN
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    values_finite = bool(torch.isfinite(v).all())
+    seen = None
+    if not values_finite or torch.isnan(lse).any():
+        # a row whose lse is NaN has NaN probabilities where it sees no key too, and a NaN
+        # value puts NaN in its key's column of the gradient of probs: both stay where seen
+        seen = scores != float("-inf")
+        probs = torch.where(seen, probs, 0.0)
     if dropout_p > 0:
         # checkpoint's recomputation replays the RNG state, so the backward sees the same mask
         probs = probs * (torch.rand_like(probs) >= dropout_p) / (1.0 - dropout_p)
-    out = torch.matmul(probs.to(v.dtype), v)
+    probs = probs.to(v.dtype)
+    out = torch.matmul(probs, v) if values_finite else _weighted_values(probs, v, seen)
     return out, lse
 
 
@@ -114,14 +201,19 @@ def attention_reference(
     q5 = q.to(compute_dtype).permute(0, 2, 1, 3).reshape(batch, num_heads_k, group, seqlen_q, head_dim)
     k5 = k.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     v5 = v.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
-    mask5 = None
-    if attn_mask is not None:
-        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != 0
-        mask5 = _as_5d(keep, num_heads_k, group)
-    bias5 = _as_5d(attn_bias.to(compute_dtype), num_heads_k, group) if attn_bias is not None else None
+    # the user's masks as views: each chunk converts and slices its own rows
+    mask5 = _as_5d(attn_mask, num_heads_k, group) if attn_mask is not None else None
+    bias5 = _as_5d(attn_bias, num_heads_k, group) if attn_bias is not None else None
     row_lens = None
     if seqlens_k_per_row is not None:
         row_lens = seqlens_k_per_row.reshape(batch, seqlen_q).to(q.device)
+    visibility = _KeyVisibility(predicate, block_mask, seqlen_q, seqlen_k, num_heads_k, group)
+
+    def rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+        """Rows start..stop of a 5-d mask or bias (all of one broadcast over the rows)."""
+        if t is None or t.shape[3] == 1:
+            return t
+        return t[..., start:stop, :]
 
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, attn_bias)
@@ -129,31 +221,15 @@ def attention_reference(
     outs, lses = [], []
     for start in range(0, seqlen_q, chunk_size):
         stop = min(start + chunk_size, seqlen_q)
-        q_idx = torch.arange(start, stop, device=q.device)
-        keep = predicate.visible(q_idx, seqlen_q, seqlen_k)
-        keep = keep.view(1, 1, 1, stop - start, seqlen_k) if keep is not None else None
-        if mask5 is not None:
-            m = mask5[..., start:stop, :] if mask5.shape[3] != 1 else mask5
-            keep = m if keep is None else keep & m
-        if block_mask is not None:
-            by_blocks = block_mask.visible(q_idx, seqlen_q, seqlen_k).to(q.device)
-            by_blocks = _as_5d(by_blocks, num_heads_k, group)
-            keep = by_blocks if keep is None else keep & by_blocks
-        if row_lens is not None:
-            k_idx = torch.arange(seqlen_k, device=q.device)
-            by_len = k_idx.view(1, 1, 1, 1, -1) < row_lens[:, start:stop].view(batch, 1, 1, -1, 1)
-            keep = by_len if keep is None else keep & by_len
-        bias = None
-        if bias5 is not None:
-            bias = bias5[..., start:stop, :] if bias5.shape[3] != 1 else bias5
-        q_chunk = q5[..., start:stop, :]
+        # only O(chunk)-sized tensors and views of the inputs go in: checkpoint keeps its inputs
+        # for the backward
+        lens = row_lens[:, start:stop] if row_lens is not None else None
+        args = (q5[..., start:stop, :], k5, v5, rows(bias5, start, stop), rows(mask5, start, stop),
+                lens, start, visibility, scale, softcap, dropout_p)
         if needs_grad:
-            out, lse = checkpoint(
-                _chunk_attention, q_chunk, k5, v5, bias, keep, scale, softcap, dropout_p,
-                use_reentrant=False,
-            )
+            out, lse = checkpoint(_chunk_attention, *args, use_reentrant=False)
         else:
-            out, lse = _chunk_attention(q_chunk, k5, v5, bias, keep, scale, softcap, dropout_p)
+            out, lse = _chunk_attention(*args)
         outs.append(out)
         lses.append(lse)
     if not outs:  # Sq = 0

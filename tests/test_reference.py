@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+import omniattn
+from omniattn import causal_block_mask
 from omniattn.reference import attention_reference
 
 
@@ -122,3 +124,149 @@ def test_chunked_backward_matches_unchunked():
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_dropout_backward_replays_the_forward_mask():
+    """With v the identity, out is the dropped-out probabilities P, so dV = P^T dout holds only
+    if each checkpointed chunk's backward draws the forward's dropout mask again."""
+    torch.manual_seed(5)
+    q, k = rand(1, 9, 2, 9).requires_grad_(), rand(1, 9, 2, 9)
+    v = torch.eye(9, dtype=torch.float64)[None, :, None, :].repeat(1, 1, 2, 1).requires_grad_()
+    out = attention_reference(q, k, v, causal=True, dropout_p=0.4, chunk_size=4)
+    dout = rand(*out.shape)
+    (dv,) = torch.autograd.grad(out, v, dout)
+    torch.testing.assert_close(dv, torch.einsum("bihj,bihd->bjhd", out, dout))
+
+
+# NaN cases: q (1, 6, 2, 4) and k/v (1, 6, 1, 4) (both query heads read the one key head),
+# causal with per-row key lengths: row i sees keys j <= i with j < ROW_LENS[i]
+ROW_LENS = torch.tensor([[0, 2, 1, 4, 5, 3]], dtype=torch.int32)
+SEES = ((torch.arange(6)[None, :] <= torch.arange(6)[:, None])
+        & (torch.arange(6) < ROW_LENS[0, :, None]))
+NAN = float("nan")
+
+
+def nan_inputs(where):
+    """(q, k, v, bias) float64 with one NaN placed as `where` says, the same without it, and
+    the bool (Sq, H) rows the NaN reaches."""
+    torch.manual_seed(6)
+    clean = [rand(1, 6, 2, 4), rand(1, 6, 1, 4), rand(1, 6, 1, 4), rand(1, 2, 6, 6)]
+    poisoned = [t.clone() for t in clean]
+    q, k, v, bias = poisoned
+    reached = torch.zeros(6, 2, dtype=torch.bool)
+    if where == "q":
+        q[0, 3, 1, 2] = NAN
+        reached[3, 1] = True
+    elif where == "q of a row that sees no key":
+        q[0, 0, 0, 1] = NAN
+    elif where in ("k", "v"):
+        (k if where == "k" else v)[0, 2, 0, 1] = NAN
+        reached[SEES[:, 2]] = True  # rows 3, 4, 5 in both heads
+    elif where == "bias":
+        bias[0, 0, 4, 3] = NAN
+        bias[0, 1, 1, 4] = NAN  # row 1 doesn't see key 4
+        bias[0, 1, 0, 0] = NAN  # row 0 sees no key
+        reached[4, 0] = True
+    return poisoned, clean, reached
+
+
+def forward_backward(q, k, v, bias, dout, attention=attention_reference):
+    q, k, v, bias = (t.clone().requires_grad_() for t in (q, k, v, bias))
+    out, lse = attention(q, k, v, causal=True, seqlens_k_per_row=ROW_LENS, attn_bias=bias,
+                         return_lse=True)
+    return (out, lse.transpose(1, 2)), torch.autograd.grad(out, (q, k, v, bias), dout)
+
+
+def assert_nan_exactly_at(t, clean, nan_at):
+    """t is NaN exactly at nan_at (broadcast over t's trailing dims: NaN somewhere in them)
+    and equals clean elsewhere."""
+    nan_at = nan_at.expand(t.shape[:nan_at.dim()])
+    nan_in_t = t.isnan().flatten(nan_at.dim()).any(-1) if t.dim() > nan_at.dim() else t.isnan()
+    assert torch.equal(nan_in_t, nan_at)
+    torch.testing.assert_close(t[~nan_at], clean[~nan_at])
+
+
+@pytest.mark.parametrize("where", ["q", "q of a row that sees no key", "k", "v", "bias"])
+def test_nan_reaches_exactly_the_rows_that_see_it(where):
+    """NaN in, NaN out: a NaN in q, k, v or attn_bias makes NaN the rows that see it (and their
+    gradients), and nothing else; rows that see no key stay 0 with lse -inf and zero grads."""
+    poisoned, clean, reached = nan_inputs(where)
+    dout = rand(1, 6, 2, 4)
+    (out, lse), grads = forward_backward(*poisoned, dout)
+    (ref_out, ref_lse), ref_grads = forward_backward(*clean, dout)
+    if where == "v":  # the NaN is in value column 1 only, and the probabilities stay finite
+        assert_nan_exactly_at(out, ref_out, reached[None, :, :, None] & (torch.arange(4) == 1))
+        assert_nan_exactly_at(lse, ref_lse, torch.zeros(1, 6, 2, dtype=torch.bool))
+    else:
+        assert_nan_exactly_at(out, ref_out, reached[None])
+        assert_nan_exactly_at(lse, ref_lse, reached[None])
+    assert (out[0, 0] == 0).all() and (lse[0, 0] == float("-inf")).all()
+
+    dq, dk, dv, dbias = grads
+    ref_dq, ref_dk, ref_dv, ref_dbias = ref_grads
+    # a reached row's gradient reaches every key it sees; the gradient of v is that of the
+    # probabilities, NaN only in the rows whose probabilities are
+    keys_seen = (reached.T[:, :, None] & SEES).any(1).any(0)  # (Sk,): seen by a reached row
+    assert_nan_exactly_at(dq, ref_dq, reached[None])
+    assert_nan_exactly_at(dk, ref_dk, keys_seen[None, :, None])
+    assert_nan_exactly_at(dv, ref_dv, keys_seen[None, :, None] & (where != "v"))
+    assert_nan_exactly_at(dbias, ref_dbias, reached.T[None, :, :, None] & SEES)
+    assert (dq[0, 0] == 0).all() and (dbias[:, :, ~SEES] == 0).all()
+
+
+def test_cpu_attention_keeps_nan(monkeypatch):
+    """omniattn.attention on CPU tensors without the interpreter is the reference: NaN in q and
+    in k reach the rows that see them there too."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    poisoned, _, _ = nan_inputs("k")
+    poisoned[0][0, 1, 0, 0] = NAN  # row 1 sees keys 0 and 1, not the NaN key 2
+    q, k, v, bias = (t.float() for t in poisoned)
+    dout = torch.randn(1, 6, 2, 4)
+    (out, lse), grads = forward_backward(q, k, v, bias, dout, attention=omniattn.attention)
+    (ref_out, ref_lse), ref_grads = forward_backward(q, k, v, bias, dout)
+    assert out.isnan().any(-1)[0, :, 0].tolist() == [False, True, False, True, True, True]
+    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def saved_bytes(run, inputs) -> int:
+    """Bytes autograd keeps for the backward while run() records its graph: each storage once,
+    the caller's inputs left out."""
+    theirs = {t.untyped_storage().data_ptr() for t in inputs}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in theirs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()  # noqa: F841 (the graph, and what it saved, stays alive until counted)
+        return sum(saved.values())
+
+
+@pytest.mark.parametrize("masks", ["causal", "window", "row lengths", "numeric mask", "bias",
+                                   "block mask"])
+def test_saved_for_backward_grows_linearly(masks):
+    """The checkpointed chunks keep O(Sq * D + inputs) for the backward, no (Sq, Sk) mask: 4x
+    the rows, 4x the bytes. fp16 inputs: their float32 copies are the part that grows."""
+    saved = []
+    for seqlen in (512, 2048):
+        torch.manual_seed(7)
+        q = torch.randn(1, seqlen, 2, 8, dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(1, seqlen, 1, 8, dtype=torch.float16) for _ in range(2))
+        options = {"causal": True}
+        if masks == "window":
+            options["window"] = (100, -1)
+        elif masks == "row lengths":
+            options["seqlens_k_per_row"] = torch.randint(0, seqlen, (1, seqlen), dtype=torch.int32)
+        elif masks == "numeric mask":
+            options["attn_mask"] = (torch.rand(1, 1, seqlen, seqlen) > 0.5).half()
+        elif masks == "bias":
+            options["attn_bias"] = torch.randn(1, 1, seqlen, seqlen, dtype=torch.float16)
+        elif masks == "block mask":
+            options = {"block_mask": causal_block_mask(seqlen, seqlen, 128)}
+        inputs = [q, k, v, *(t for t in options.values() if isinstance(t, torch.Tensor))]
+        saved.append(saved_bytes(lambda: attention_reference(q, k, v, **options), inputs))
+    assert saved[1] <= 4.5 * saved[0], saved
