@@ -1,7 +1,7 @@
 """Exact attention in plain PyTorch: the correctness oracle and the CPU backend.
 
-It implements every semantic of the public API (docs/design.md): bottom-right aligned causal, sliding
-window, element mask, additive bias (broadcast, never expanded), per-row key lengths, varlen,
+It implements every semantic of the public API (docs/design.md): bottom-right aligned causal,
+sliding window, element mask, additive bias (broadcast, never expanded), per-row key lengths, varlen,
 softcap, GQA, LSE, dropout (from torch.rand), and rows that see no key (output 0, lse -inf, zero
 gradients).
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .predicate import RelativePredicate
+from .predicate import RelativePredicate, row_length_keep
 
 __all__ = ["attention_reference"]
 
@@ -65,8 +65,7 @@ class _KeyVisibility:
             by_blocks = _as_5d(by_blocks, self.num_heads_k, self.group)
             keep = by_blocks if keep is None else keep & by_blocks
         if row_lens is not None:
-            k_idx = torch.arange(self.seqlen_k, device=device)
-            by_len = k_idx.view(1, 1, 1, 1, -1) < row_lens.view(row_lens.shape[0], 1, 1, -1, 1)
+            by_len = row_length_keep(row_lens, self.seqlen_k).unsqueeze(1).unsqueeze(1)
             keep = by_len if keep is None else keep & by_len
         return keep
 
