@@ -533,7 +533,7 @@ class Runner:
         self.logs, self.timeout, self.deadline = logs, timeout, deadline
         self.env = {**os.environ, "TRITON_INTERPRET": "0",
                     "PYTHONPATH": os.pathsep.join(
-                        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+                        [str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
