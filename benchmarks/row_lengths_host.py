@@ -64,8 +64,8 @@ def main() -> None:
     print(f"{'none (dense)':20s} {'fwd':8s} call {call:.3f} ms  kernels {kernels:.3f} ms  "
           f"ratio {call / kernels:.3f}")
     for label, remembered in (("checked every call", False), ("check remembered", True)):
-        patch = mock.patch.object(api, "_known_checked", lambda *a: False) if not remembered \
-            else mock.patch.object(api, "_known_checked", api._known_checked)
+        patch = mock.patch.object(api, "known_checked", lambda *a: False) if not remembered \
+            else mock.patch.object(api, "known_checked", api.known_checked)
         with patch:
             for mode, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
                 call = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")

@@ -9,13 +9,28 @@ import dataclasses
 
 import torch
 
+from omniattn import plan
 from omniattn.kernels import configs
+from omniattn.kernels.elementwise import Elementwise
 from omniattn.reference import attention_reference
+from omniattn.schedules import build_schedule
 
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 2e-5}
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
+
+
+def explicit_schedule(q, k, args, attn_mask=None, attn_bias=None, row_lens=None,
+                      backward=True):
+    """(schedule, kernel args) of the lists `attention` builds for these masks: at plan.py's
+    tiles, by schedules.py."""
+    heads = q.shape[-2]
+    form = plan.CallForm(q, k, k, args,
+                         mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
+                         bias=Elementwise.of(attn_bias, heads) if attn_bias is not None else None,
+                         row_lens=row_lens)
+    return build_schedule(form, plan.list_tiles(form), attn_mask, backward)
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, device=DEVICE,

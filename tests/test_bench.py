@@ -189,7 +189,8 @@ def test_pairs_follow_the_gluon_forward_tiles(monkeypatch):
         triton_tile = bench.forward_config(workload.head_dim, workload.dtype, masked=True)
         for gluon, (block_m, block_n) in ((False, (triton_tile.block_m, triton_tile.block_n)),
                                           (True, gluon_tile)):
-            monkeypatch.setattr(bench, "gluon_candidate", lambda *args, **kwargs: gluon)
+            monkeypatch.setattr(bench, "gluon_refusal",
+                                lambda *args, **kwargs: None if gluon else "refused")
             pairs, exact, _ = bench._pairs(workload, extra)
             assert pairs == sum(bench.computed_pairs(n, n, True, block_m, block_n)
                                 for n in lengths), (workload.name, gluon)

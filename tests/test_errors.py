@@ -13,6 +13,7 @@ import torch
 
 import omniattn
 import omniattn.api as api_mod
+from omniattn import validation
 from omniattn import attention
 
 B, S, H, D = 1, 4, 2, 8
@@ -302,12 +303,12 @@ def test_seqlens_k_per_row_checked_again_after_a_change():
     for _ in range(2):
         with pytest.raises(AssertionError, match="a backend was called"):
             attention(q, k, v, seqlens_k_per_row=lens)
-    assert api_mod._known_checked(lens, k)
+    assert validation.known_checked(lens, k)
     q_short, k_short, v_short = make(sk=S - 1)
     with pytest.raises(ValueError, match="^" + esc("seqlens_k_per_row must lie in [0, Sk]")):
         attention(q_short, k_short, v_short, seqlens_k_per_row=lens)
     lens[0, 1] = S + 1
-    assert not api_mod._known_checked(lens, k)
+    assert not validation.known_checked(lens, k)
     with pytest.raises(ValueError, match="^" + esc("seqlens_k_per_row must lie in [0, Sk]")):
         attention(q, k, v, seqlens_k_per_row=lens)
 

@@ -14,6 +14,7 @@ import torch
 from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
                      replace_backward_configs)
 import omniattn
+from omniattn import plan
 from omniattn.kernels import bwd_hopper, configs
 from omniattn.kernels.bwd import attention_backward
 from omniattn.kernels.fwd import attention_forward
@@ -40,15 +41,23 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 
 def run_kernels(q, k, v, dout, causal=False, window=None, softmax_scale=None, softcap=0.0,
                 schedule=None, deterministic=False):
-    """Forward + backward straight through the launchers, into NaN-poisoned buffers."""
+    """Forward + backward straight through the launchers (the kernels the plan names), into
+    NaN-poisoned buffers."""
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
+    form = plan.CallForm(q, k, v, args, deterministic=deterministic,
+                         given_lists=schedule is not None)
+    lists = None if schedule is None else plan.ListTiles(
+        *((tiles.block_m, tiles.block_n) for tiles in (schedule.forward, schedule.dq,
+                                                         schedule.dkdv)), ((0, 0), (0, 0)), None)
     out = nan_like(q)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     attention_forward(q.detach(), k.detach(), v.detach(), args,
-                      schedule.forward if schedule is not None else None, out=out, lse=lse)
+                      schedule.forward if schedule is not None else None, out=out, lse=lse,
+                      kernel=plan.forward_pass(form, lists).kernel)
     grads = (nan_like(q), nan_like(k), nan_like(v))
     attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, args, schedule,
-                       deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
+                       deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
+                       kernel=plan.backward_pass(form, lists).kernel)
     return out, lse, grads
 
 
@@ -305,12 +314,14 @@ def test_gluon_head_major_layout(gluon_calls, seqlen, head_dim):
     q, k, v = (torch.randn(2, heads, seqlen, head_dim, device=DEVICE, dtype=torch.bfloat16)
                .transpose(1, 2) for heads in (8, 2, 2))
     args = KernelArgs.make(head_dim, True, None, None, 0.0)
+    form = plan.CallForm(q, k, v, args)
     out = nan_like(q.transpose(1, 2).contiguous()).transpose(1, 2)
     lse = torch.full((2, 8, seqlen), float("nan"), device=DEVICE)
-    attention_forward(q, k, v, args, out=out, lse=lse)
+    attention_forward(q, k, v, args, out=out, lse=lse, kernel=plan.forward_pass(form, None).kernel)
     dout = torch.randn_like(q)
     grads = tuple(nan_like(t.transpose(1, 2).contiguous()).transpose(1, 2) for t in (q, k, v))
-    attention_backward(dout, q, k, v, out, lse, args, dq=grads[0], dk=grads[1], dv=grads[2])
+    attention_backward(dout, q, k, v, out, lse, args, dq=grads[0], dk=grads[1], dv=grads[2],
+                       kernel=plan.backward_pass(form, None).kernel)
     check_against_reference(out, lse, grads, q, k, v, dout, causal=True)
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
 

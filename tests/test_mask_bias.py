@@ -208,7 +208,7 @@ GLUON_CASES = [
     # left window bounds: biases on the implicit schedule (a (Sq, Sk) dbias zeroed in the tiles
     # left and right of the window; with GQA and without), and masks, whose lists take the
     # Gluon backward (its PARTIAL tiles apply the left bound) and fwd.py's forward
-    # (`_explicit_schedule`), one with rows that see no key
+    # (`schedules.build_schedule`), one with rows that see no key
     (1, 512, 520, 4, 2, torch.bfloat16, None, None, "bhqs", False, (100, 150), False),
     (1, 300, 410, 4, 4, torch.bfloat16, None, None, "bhqs", False, (100, 50), False),
     (2, 640, 640, 4, 2, torch.float16, None, None, "bh1s", True, (200, -1), False),
@@ -371,7 +371,7 @@ def test_packed_mask_and_bias(mask_form, bias_form):
 def test_mask_tile_skipping():
     """Key tiles the mask hides are never loaded (NaN keys there do not leak), and the
     all-kept tiles are FULL: the schedule lists match the mask's tile picture."""
-    from omniattn.api import _explicit_schedule
+    from helpers import explicit_schedule
     from omniattn.kernels.configs import forward_config
     from omniattn.kernels.schedule import KernelArgs
 
@@ -386,7 +386,7 @@ def test_mask_tile_skipping():
     v[:, 2 * tile.block_n:] = float("nan")
     out = omniattn.attention(q, k, v, attn_mask=keep)
     assert torch.isfinite(out).all()
-    schedule, _ = _explicit_schedule(q, k, KernelArgs.make(64, False, None, None, 0.0), None, keep)
+    schedule, _ = explicit_schedule(q, k, KernelArgs.make(64, False, None, None, 0.0), keep)
     fwd = schedule.forward
     assert (fwd.full_num_blocks == 1).all() and (fwd.full_indices[..., 0] == 0).all()
     assert (fwd.num_blocks == 1).all() and (fwd.indices[..., 0] == 1).all()
@@ -399,7 +399,7 @@ def test_mask_tile_skipping():
 def test_forward_without_gradients():
     """No gradient will flow (no_grad, or no input requiring one): only the forward's lists are
     built, and the output is the one a differentiable call gives."""
-    from omniattn.api import _explicit_schedule
+    from helpers import explicit_schedule
     from omniattn.kernels.schedule import KernelArgs
 
     seqlen = 300 if GPU else 40
@@ -408,7 +408,7 @@ def test_forward_without_gradients():
     keep = (torch.rand(2, 1, seqlen, seqlen + 7, generator=generator) < 0.7).to(DEVICE)
     bias = torch.randn(2, 4, 1, seqlen + 7, generator=generator).to(DEVICE, torch.float16)
     args = KernelArgs.make(32, True, None, None, 0.0)
-    schedule, _ = _explicit_schedule(q, k, args, None, keep, bias, backward=False)
+    schedule, _ = explicit_schedule(q, k, args, keep, bias, backward=False)
     assert schedule.dq.indices is schedule.forward.indices
     assert schedule.dkdv.indices is schedule.forward.indices
     with torch.no_grad():

@@ -136,7 +136,7 @@ def test_lengths_alone_group_rows(monkeypatch, deterministic):
     for key, cfg in list(configs._BWD.items()):
         monkeypatch.setitem(configs._BWD, key, dataclasses.replace(cfg, atomic_dq=True))
     seqlen_q, seqlen_k = 45 * SCALE, 38 * SCALE
-    assert omniattn.api.groups_rows_by_length(seqlen_q, 32, torch.float16)
+    assert omniattn.plan.groups_rows_by_length(seqlen_q, 32, torch.float16)
     lens = random_row_lens(2, seqlen_q, seqlen_k, seed=11)
     lens[1, 5:20] = seqlen_k // 3
     torch.manual_seed(12)
@@ -166,7 +166,7 @@ def test_gluon_row_lengths(gluon_calls, case):
     back to each row. Random lengths with rows of length 0 and Sk and a run of equal ones in
     batch 0, "i + 1" (the caller's order reversed) in batch 1."""
     batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype = case
-    assert omniattn.api.groups_rows_by_length(seqlen_q, head_dim, dtype)
+    assert omniattn.plan.groups_rows_by_length(seqlen_q, head_dim, dtype)
     lens = random_row_lens(batch, seqlen_q, seqlen_k, seed=seqlen_q)
     lens[0, 3:seqlen_q // 2] = seqlen_k // 3
     if batch > 1:
@@ -193,7 +193,7 @@ def test_row_lengths_with_mask_bias_and_block_mask():
 def test_row_length_tile_skipping():
     """Key tiles past every row's length are never loaded (NaN keys there do not leak) and the
     lists match the exact tile picture of the lengths: FULL tiles all visible, unlisted empty."""
-    from omniattn.api import _explicit_schedule
+    from helpers import explicit_schedule
     from omniattn.kernels.schedule import KernelArgs
     from omniattn.predicate import blocks_from_lists
 
@@ -210,8 +210,8 @@ def test_row_length_tile_skipping():
     check_against_reference(out, lse, None, q, k[:, :half], v[:, :half], torch.zeros_like(q),
                             seqlens_k_per_row=lens)
     for causal in (False, True):
-        schedule, _ = _explicit_schedule(q, k, KernelArgs.make(32, causal, None, None, 0.0), None,
-                                         None, row_lens=lens)
+        schedule, _ = explicit_schedule(q, k, KernelArgs.make(32, causal, None, None, 0.0),
+                                        row_lens=lens)
         keys = torch.arange(seqlen_k, device=DEVICE)
         visible = (keys[None, None, :] < lens[..., None]).unsqueeze(1)  # (B, 1, Sq, Sk)
         if causal:

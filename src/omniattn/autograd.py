@@ -4,6 +4,7 @@ tensors take the same implementations through an autograd.Function (no dispatche
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -14,9 +15,70 @@ from .kernels.fwd import attention_forward
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, lse_shape
 
-# An explicit schedule crosses the op boundary as its 12 tensors and 12 launch ints (empty lists:
-# implicit schedule); mask, bias, per-row key lengths (and their row order) and cu_seqlens as
-# optional tensors.
+
+
+class ForwardCall(NamedTuple):
+    """The forward op's arguments, in its schema's order: an explicit schedule crosses the op
+    boundary as its tensors and launch ints (empty lists: implicit schedule); the plan's kernel
+    of each pass by name (plan.py)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None
+    attn_bias: torch.Tensor | None
+    row_lens: torch.Tensor | None
+    row_order: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+    dropout_p: float
+    dropout_seed: int
+    schedule: list
+    tiles: list
+    deterministic: bool
+    forward_kernel: str
+    backward_kernel: str
+
+
+class BackwardCall(NamedTuple):
+    """The backward op's arguments, in its schema's order."""
+
+    dout: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    dlse: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    attn_bias: torch.Tensor | None
+    row_lens: torch.Tensor | None
+    row_order: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    bias_grad: bool
+    softmax_scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+    dropout_p: float
+    dropout_seed: int
+    schedule: list
+    tiles: list
+    deterministic: bool
+    kernel: str
+
+    def tensors(self) -> tuple:
+        """Its tensors (None where absent), the schedule's last: what a call plan keys."""
+        return (*self[:BackwardCall._fields.index("max_seqlen_q")], *self.schedule)
 
 
 def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bias, num_heads,
@@ -36,16 +98,17 @@ def _forward_impl(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
     dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor], tiles: list[int],
-    deterministic: bool,
+    deterministic: bool, forward_kernel: str, backward_kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); `deterministic` is for the backward pass (kept in the autograd context)."""
+    """(out, lse) of a `ForwardCall`; `deterministic` and `backward_kernel` are for the backward
+    pass (kept in the autograd context)."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     forward, bits = (sched.forward, sched.bits) if sched is not None else (None, None)
     return attention_forward(q, k, v, args, forward, bits, mask=mask, bias=bias,
                              row_lens=row_lens, packed=packed, dropout=(dropout_p, dropout_seed),
-                             row_order=row_order)
+                             row_order=row_order, kernel=forward_kernel)
 
 
 attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_impl,
@@ -55,7 +118,7 @@ attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_i
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p,
-      dropout_seed, schedule, tiles, deterministic):
+      dropout_seed, schedule, tiles, deterministic, forward_kernel, backward_kernel):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
@@ -66,9 +129,9 @@ def _backward_impl(
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
     window_right: int, dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor],
-    tiles: list[int], deterministic: bool,
+    tiles: list[int], deterministic: bool, kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias); dbias is an empty tensor unless bias_grad."""
+    """(dq, dk, dv, dbias) of a `BackwardCall`; dbias is an empty tensor unless bias_grad."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
     sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -76,7 +139,8 @@ def _backward_impl(
                                            bias=bias, bias_grad=bias_grad, dlse=dlse,
                                            row_lens=row_lens, packed=packed,
                                            dropout=(dropout_p, dropout_seed),
-                                           deterministic=deterministic, row_order=row_order)
+                                           deterministic=deterministic, row_order=row_order,
+                                           kernel=kernel)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
@@ -87,44 +151,44 @@ attention_bwd_op = torch.library.custom_op("omniattn::attention_bwd", _backward_
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q,
       cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left,
-      window_right, dropout_p, dropout_seed, schedule, tiles, deterministic):
+      window_right, dropout_p, dropout_seed, schedule, tiles, deterministic, kernel):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
-     max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p,
-     dropout_seed, schedule, tiles, deterministic) = inputs
+    call = ForwardCall(*inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, attn_bias, row_lens, row_order,
-                          cu_seqlens_q, cu_seqlens_k, *schedule)
-    ctx.scalars = (max_seqlen_q, max_seqlen_k)
-    ctx.kernel_scalars = (softmax_scale, softcap, window_left, window_right, dropout_p,
-                          dropout_seed)
-    ctx.tiles = tiles
-    ctx.num_schedule_tensors = len(schedule)
-    ctx.deterministic = deterministic
+    ctx.save_for_backward(call.q, call.k, call.v, out, lse, call.attn_mask, call.attn_bias,
+                          call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k,
+                          *call.schedule)
+    ctx.call = call._replace(q=None, k=None, v=None, attn_mask=None, attn_bias=None,
+                             row_lens=None, row_order=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                             schedule=len(call.schedule))
 
 
 def _gradients(ctx, dout, dlse, backward_fn):
     """(dq, dk, dv, dbias or None) from the context _setup_context filled."""
     (q, k, v, out, lse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
      *schedule) = ctx.saved_tensors
+    call = ctx.call
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = backward_fn(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias,
-                                    row_lens, row_order, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
-                                    bias_grad, *ctx.kernel_scalars, schedule, ctx.tiles,
-                                    ctx.deterministic)
+    dq, dk, dv, dbias = backward_fn(BackwardCall(
+        dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q,
+        cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, bias_grad, call.softmax_scale,
+        call.softcap, call.window_left, call.window_right, call.dropout_p, call.dropout_seed,
+        schedule, call.tiles, call.deterministic, call.backward_kernel))
     return dq, dk, dv, dbias if bias_grad else None
 
 
 def _backward(ctx, dout, dlse):
-    dq, dk, dv, dbias = _gradients(ctx, dout, dlse, attention_bwd_op)
+    dq, dk, dv, dbias = _gradients(ctx, dout, dlse, lambda call: attention_bwd_op(*call))
     # gradients mirror the inputs' structure: a list per tensor list; an int list is one leaf
     # (an empty one a list)
-    return (dq, dk, dv, None, dbias, None, None, None, None, None, None, None, None, None, None,
-            None, None, [None] * ctx.num_schedule_tensors, None if ctx.tiles else [], None)
+    grads = ForwardCall(*[None] * len(ForwardCall._fields))._replace(
+        q=dq, k=dk, v=dv, attn_bias=dbias, schedule=[None] * ctx.call.schedule,
+        tiles=None if ctx.call.tiles else [])
+    return tuple(grads)
 
 
 attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -141,8 +205,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, attn_bias, forward, forward_key):
-        out, lse, inputs = forward()
-        _setup_context(ctx, inputs, (out, lse))
+        out, lse, call = forward()
+        _setup_context(ctx, call, (out, lse))
         ctx.forward_key = forward_key
         ctx.set_materialize_grads(False)  # an unused lse costs no zero gradient
         return out, lse
@@ -150,48 +214,51 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:  # only lse reached the loss
-            dout = torch.zeros_like(ctx.saved_tensors[3])
+            dout = torch.zeros_like(ctx.saved_tensors[3])  # like out
         dq, dk, dv, dbias = _gradients(ctx, dout, dlse,
                                        functools.partial(_planned_backward, ctx.forward_key))
         return dq, dk, dv, None, dbias, None, None
 
 
-def _planned_backward(forward_key, *arguments):
-    """_backward_impl(*arguments), replayed from a call plan where there is one: its host work
+def _planned_backward(forward_key, call: BackwardCall):
+    """_backward_impl(*call), replayed from a call plan where there is one: its host work
     depends only on the signature of its tensors and scalars, dropout's seed aside. Keyed on
     the forward's call plan key where it has one (what follows from it is not keyed again)."""
-    tensors = (*arguments[:13], *arguments[22])  # dout ... cu_seqlens_k, the schedule's
-    dropout_p, bias_grad = arguments[20], arguments[15]
+    tensors = call.tensors()
     key = None
-    if dropout_p == 0 and not torch.is_grad_enabled():  # no double backward
+    if call.dropout_p == 0 and not torch.is_grad_enabled():  # no double backward
         if forward_key is None:
-            key = call_plans.signature(tensors, ("backward", *arguments[13:22],
-                                                 tuple(arguments[23]), arguments[24]))
+            scalars = tuple(call[BackwardCall._fields.index("max_seqlen_q"):
+                                 BackwardCall._fields.index("schedule")])
+            key = call_plans.signature(tensors, ("backward", *scalars, tuple(call.tiles),
+                                                 call.deterministic, call.kernel))
         else:  # new beside the forward's inputs and results: dout, dlse, whether dbias is due
-            key = call_plans.signature_after(forward_key, tensors, (0, 6),
-                                             ("backward", bias_grad))
+            fresh = (BackwardCall._fields.index("dout"), BackwardCall._fields.index("dlse"))
+            key = call_plans.signature_after(forward_key, tensors, fresh,
+                                             ("backward", call.bias_grad))
     if key is None:
-        return _backward_impl(*arguments)
-    return call_plans.run(key, tensors, lambda: _backward_impl(*arguments))
+        return _backward_impl(*call)
+    return call_plans.run(key, tensors, lambda: _backward_impl(*call))
 
 
-def kernel_inputs(q, k, v, args: KernelArgs, schedule: Schedule | None = None,
-                  attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
-                  row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                  dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
-                  row_order: torch.Tensor | None = None) -> tuple:
-    """The arguments of the forward implementation (and custom op) for a call."""
+def kernel_inputs(q, k, v, args: KernelArgs, kernels: tuple[str, str],
+                  schedule: Schedule | None = None, attn_mask: torch.Tensor | None = None,
+                  attn_bias: torch.Tensor | None = None, row_lens: torch.Tensor | None = None,
+                  packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
+                  deterministic: bool = False,
+                  row_order: torch.Tensor | None = None) -> ForwardCall:
+    """The forward op's call; kernels: the plan's (forward, backward) kernel names."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
-    return (q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q, max_k,
-            args.softmax_scale, args.softcap, args.window_left, args.window_right, *dropout,
-            tensors, tiles, deterministic)
+    return ForwardCall(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q,
+                       max_k, args.softmax_scale, args.softcap, args.window_left,
+                       args.window_right, *dropout, tensors, tiles, deterministic, *kernels)
 
 
-def forward_parts(inputs: tuple) -> tuple:
-    """(out, lse, inputs): what attention_with_graph's forward gives, from kernel_inputs."""
-    return (*_forward_impl(*inputs), inputs)
+def forward_parts(call: ForwardCall) -> tuple:
+    """(out, lse, call): what attention_with_graph's forward gives, from kernel_inputs."""
+    return (*_forward_impl(*call), call)
 
 
 def records_graph(q, k, v, attn_bias) -> bool:
@@ -207,20 +274,20 @@ def attention_with_graph(q, k, v, attn_mask, attn_bias, forward, forward_key=Non
     return _EagerAttention.apply(q, k, v, attn_mask, attn_bias, forward, forward_key)
 
 
-def triton_attention(inputs: tuple):
+def triton_attention(call: ForwardCall):
     """Differentiable kernel attention from kernel_inputs: returns (out, lse); attn_bias gets
     a gradient too. dropout: (p, seed); the backward pass regenerates the same keep decisions
     from the seed. deterministic: the backward pass without atomics (bitwise-identical
     gradients). row_order: the length order of per-row key lengths alone (see
     attention_forward)."""
-    q, k, v, attn_mask, attn_bias = inputs[:5]
+    q, k, v, attn_mask, attn_bias = call[:5]
     # traced graphs, fake and subclassed tensors and functorch transforms need the ops (their
     # fake implementations and dispatch); plain eager calls skip the dispatcher
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor \
             or torch._C._are_functorch_transforms_active():
-        return attention_fwd_op(*inputs)
+        return attention_fwd_op(*call)
     if not records_graph(q, k, v, attn_bias):
         # no graph to record: the Function's apply and context were 13% of a masked forward's
         # Python (CPU, launches mocked: 233 -> 203 us)
-        return _forward_impl(*inputs)
-    return attention_with_graph(q, k, v, attn_mask, attn_bias, lambda: forward_parts(inputs))
+        return _forward_impl(*call)
+    return attention_with_graph(q, k, v, attn_mask, attn_bias, lambda: forward_parts(call))

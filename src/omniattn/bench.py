@@ -30,7 +30,7 @@ import omniattn
 from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import (forward_config, hopper_forward_config, interpreting,
                                       switches)
-from omniattn.kernels.fwd_hopper import gluon_candidate
+from omniattn.kernels.fwd_hopper import gluon_refusal
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.predicate import RelativePredicate
 
@@ -813,13 +813,13 @@ def _providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str,
 
 
 def _gluon_forward(workload: Workload, extra: ExtraInputs, plain: bool) -> bool:
-    """Whether omniattn's forward of this workload runs the Gluon kernel (`gluon_candidate`, from
+    """Whether omniattn's forward of this workload runs the Gluon kernel (`gluon_refusal`, from
     the device, dtype, head dim and options; plain: no mask, bias, lengths or packing)."""
     probe = torch.empty((0, 0, workload.heads, workload.head_dim), device=extra.device,
                         dtype=workload.dtype)
     args = KernelArgs.make(workload.head_dim, workload.causal, workload.window, None, 0.0)
     full_bias = extra.bias if workload.bias == "full" else None
-    return gluon_candidate(probe, args, full_bias, plain=plain)
+    return gluon_refusal(probe, args, full_bias, plain=plain) is None
 
 
 def _pairs(workload: Workload, extra: ExtraInputs) -> tuple[float, float, float | None]:

@@ -24,7 +24,7 @@ def _current_device() -> torch.device:
 
 
 def _omniattn_path(device: torch.device) -> str:
-    """What omniattn.attention runs for tensors on `device` (mirrors api._use_kernels)."""
+    """What omniattn.attention runs for tensors on `device` (mirrors plan.uses_kernels)."""
     if device.type == "cuda":
         return "Triton kernels"
     if interpreting():

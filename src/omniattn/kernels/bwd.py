@@ -16,16 +16,19 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, im
                      length_kv_range, length_q_range, load_pair_tile, load_rows, row_key_end,
                      schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
                      visible_elements)
-from .bwd_hopper import backward_row_stats, hopper_backward, hopper_backward_applies
+from .bwd_hopper import backward_row_stats, hopper_backward
 from .bwd_hopper_wide import hopper_backward_wide
 from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
-                      hopper_backward_config, hopper_backward_splits_head_dim, next_power_of_2,
-                      padded_head_dim)
+                      hopper_backward_config, next_power_of_2, padded_head_dim)
+from .fwd_hopper import flat_rows
 from .elementwise import Elementwise
 from .launch import launch
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
-                        lse_strides, packed_operands, placeholder, row_lens_operands, row_strides)
+                        lse_strides, packed_operands, placeholder, row_lens_operands, row_strides,
+                        tma_compatible)
+
+GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD = "bwd_hopper", "bwd_hopper_wide", "bwd"
 
 
 @triton.jit
@@ -802,7 +805,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        bias_grad: bool = False, dlse: torch.Tensor | None = None,
                        row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
                        dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
-                       dq=None, dk=None, dv=None, row_order: torch.Tensor | None = None):
+                       dq=None, dk=None, dv=None, row_order: torch.Tensor | None = None,
+                       kernel: str = TRITON_BACKWARD):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
@@ -813,11 +817,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     back to each row's place). With a config's atomic_dq and not deterministic, the dK/dV
     programs also add dQ into an fp32 buffer (atomics) and no dQ programs run (5 matmuls per
     tile pair instead of 7); otherwise dQ programs of their own write every gradient once. A
-    bias with one column for all keys gets its gradient from lse alone (`row_constant_bias_grad`)."""
+    bias with one column for all keys gets its gradient from lse alone (`row_constant_bias_grad`).
+    kernel: the plan's (plan.py): GLUON_BACKWARD / GLUON_BACKWARD_WIDE run bwd_hopper.py's /
+    bwd_hopper_wide.py's kernel, which the plan gives only calls they take; TRITON_BACKWARD
+    this module's."""
     if bias_grad and bias.cols_shared:
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, args, schedule, mask, bias,
                                            False, dlse, row_lens, packed, dropout, deterministic,
-                                           dq, dk, dv, row_order)
+                                           dq, dk, dv, row_order, kernel)
         return dq, dk, dv, row_constant_bias_grad(bias, lse, dlse, q.shape[-2])
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
@@ -849,14 +856,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    if dout.stride(-1) != 1:
+    gluon = kernel in (GLUON_BACKWARD, GLUON_BACKWARD_WIDE)
+    # the Gluon kernels read dO by TMA (packed: heads packed in its rows)
+    if dout.stride(-1) != 1 or (gluon and not (tma_compatible(dout) and (
+            packed is None or flat_rows(dout)))):
         dout = dout.contiguous()
-    # per-row key lengths only in length order (the tiles' query ranges come from them)
-    gluon = bits is None and (row_lens is None or row_order is not None) \
-        and (packed is None or row_lens is None) and dropout[0] == 0 and not deterministic \
-        and q.numel() > 0 and k.numel() > 0 and hopper_backward_applies(
-            q, k, v, dout, args, schedule.dkdv if schedule is not None else None, mask, bias,
-            bias_grad, packed)
     dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted, finish_dbias = \
         None, None, True, False, None
     if bias_grad:
@@ -915,7 +919,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
             # summed over keys by atomics across key tiles: fp32 zeros
             dbias_buffer = torch.zeros(dbias_buffer.shape, dtype=torch.float32,
                                        device=q.device)
-        if hopper_backward_splits_head_dim(head_dim):  # no lists, masks or biases
+        if kernel == GLUON_BACKWARD_WIDE:  # no lists, masks or biases
             hopper_backward_wide(dout, q, k, v, row_stats, dq_sum, args, dq, dk, dv, row_lens,
                                  row_order, packed)
         else:

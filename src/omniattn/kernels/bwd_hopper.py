@@ -34,8 +34,8 @@ from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_dq_trails, hopper_backward_p_rounding,
                       hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
-from .fwd_hopper import (_copy_tile, _descriptor, _flat_rows, _load_tile, _scatter_rows,
-                         _tile_at, by_tma, flat_launch, flat_view_bounds, gluon_candidate,
+from .fwd_hopper import (_copy_tile, _descriptor, flat_rows, _load_tile, _scatter_rows,
+                         _tile_at, by_tma, flat_launch, flat_view_bounds, gluon_refusal,
                          hand_over, handed, producer_tiles, tensor_descriptor)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
@@ -874,29 +874,34 @@ def _bwd_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            dout: torch.Tensor, args: KernelArgs,
-                            schedule: TileLists | None = None, mask: Elementwise | None = None,
-                            bias: Elementwise | None = None, bias_grad: bool = False,
-                            packed: PackedSequences | None = None) -> bool:
-    """Whether a Gluon backward runs this call (`hopper_backward`, or at head dims it splits
-    `bwd_hopper_wide`'s, which takes no lists, masks or biases): a
-    `gluon_candidate` (device, dtype, arguments; a bias spanning (Sq, Sk) too), with a head dim
-    it has tiles for, q / k / v / dO aligned for TMA, transposed lists (if any: an element
-    mask's or a block mask's) at its tiles, and a bias gradient it writes: any but that of a
-    (Sq, Sk) bias shared by several query heads (its sum over them is bwd.py's). Packed
-    sequences: (total, H, D) tensors with heads packed, without lists or a bias. The caller
-    excludes what `gluon_candidate` does not see (bitmaps, lengths, dropout, determinism)."""
+def hopper_backward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            args: KernelArgs, schedule_tiles: tuple[int, int] | None = None,
+                            mask: Elementwise | None = None, bias: Elementwise | None = None,
+                            bias_grad: bool = False,
+                            packed: PackedSequences | None = None) -> str | None:
+    """Why no Gluon backward (`hopper_backward`, or at head dims it splits `bwd_hopper_wide`'s,
+    which takes no lists, masks or biases) can run this call, or None where one can: a
+    `gluon_refusal`-free call (device, dtype, arguments) with a head dim it has tiles for, q / k
+    / v aligned for TMA (dO is made so by the launcher), transposed lists (if any: an element
+    mask's or a block mask's; schedule_tiles their (block_m, block_n)) at its tiles, and a bias
+    gradient it writes: any but that of a (Sq, Sk) bias shared by several query heads (its sum
+    over them is bwd.py's). Packed sequences: (total, H, D) tensors with heads packed, without
+    lists or a bias. The caller refuses what this does not see (bitmaps, lengths, dropout,
+    determinism)."""
+    refusal = gluon_refusal(q, args, backward=True)
+    if refusal is not None:
+        return refusal
     cfg = hopper_backward_config(q.shape[-1])
-    if cfg is None or q.dim() != (4 if packed is None else 3) \
-            or not gluon_candidate(q, args, backward=True):
-        return False
-    if packed is not None and (schedule is not None or bias is not None
-                               or not all(_flat_rows(t) for t in (q, k, v, dout))):
-        return False
+    if q.dim() != (4 if packed is None else 3):
+        return "q is not (B, S, H, D) (packed: (total, H, D))"
+    if packed is not None and (schedule_tiles is not None or bias is not None):
+        return "packed sequences with a mask or bias"
+    if packed is not None and not all(flat_rows(t) for t in (q, k, v)):
+        return "packed q / k / v whose heads are not packed in their rows"
     if hopper_backward_splits_head_dim(q.shape[-1]) \
-            and (schedule is not None or mask is not None or bias is not None):
-        return False
+            and (schedule_tiles is not None or mask is not None or bias is not None):
+        return f"masks, biases or lists at head dim {q.shape[-1]} (its Gluon backward splits " \
+            f"the head dim and takes none)"
     # head dim 64 and implicit left windows without GQA (where the fp32 dQ pass, zeroed by the
     # pre-pass and converted after, weighs most) took bwd.py until P^T and dS^T went into the
     # wgmmas from registers. H100, bf16, GPU ms of the backward's kernels (profiler, three
@@ -908,12 +913,15 @@ def hopper_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # block masks too since the consumers take their tiles from the producer: H100, 16k B1 H16,
     # random block masks, backward kernel ms at density 1 / .5 / .26 / .11 (2026-11-24): Gluon
     # 11.27-11.29 / 5.67 / 2.99-3.15 / 1.32-1.34, Triton 12.34-12.40 / 6.26-6.59 / 3.25 / 1.50
-    if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
-                                                                          cfg.block_n):
-        return False
+    if schedule_tiles is not None and schedule_tiles != (cfg.block_m, cfg.block_n):
+        return f"lists at {schedule_tiles[0]} x {schedule_tiles[1]} tiles, not its " \
+            f"{cfg.block_m} x {cfg.block_n}"
     if bias_grad and bias.spans_queries_and_keys and bias.tensor.shape[1] != q.shape[2]:
-        return False
-    return dout.shape == q.shape and tma_compatible(q, k, v, dout)
+        return "the gradient of a (Sq, Sk) bias shared by several query heads (summed over " \
+            "them by bwd.py)"
+    if not tma_compatible(q, k, v):
+        return "q / k / v strides or bases TMA cannot read (16-byte multiples needed)"
+    return None
 
 
 def backward_row_stats(batch: int, heads: int, seqlen_q: int, block_m: int,
@@ -963,7 +971,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     (fp32, zeroed by the caller). row_lens / row_order (per-row key lengths alone, `length_order`):
     dout, q and row_stats come in length order, dQ is summed in it and written to the caller's rows
     of dq. packed: (total, H, D) tensors, row_stats at each sequence's rows from 0. The caller
-    checked `hopper_backward_applies`. dQ is reduce-added in fp32 across key tiles, so it is not
+    checked the plan (plan.py). dQ is reduce-added in fp32 across key tiles, so it is not
     bitwise reproducible."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
@@ -974,7 +982,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         raise ValueError("hopper_backward: row_lens and row_order come together")
     cfg = hopper_backward_config(head_dim)
     if not tma_compatible(dk, dv) or (packed is not None
-                                      and not (_flat_rows(dk) and _flat_rows(dv))):
+                                      and not (flat_rows(dk) and flat_rows(dv))):
         dk_out, dv_out, dk, dv = dk, dv, torch.empty_like(k), torch.empty_like(v)
     else:
         dk_out = dv_out = None

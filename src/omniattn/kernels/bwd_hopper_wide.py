@@ -394,7 +394,7 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q), dk / dv (like k / v, any strides, summed over each KV group) written in place; row_stats
     from `backward_row_stats` at the config's block_m, filled in; dQ summed in dq_sum (fp32
     like q, zeroed); row_lens / row_order and packed as there. The caller checked
-    `hopper_backward_applies`."""
+    the plan (plan.py)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]

@@ -268,7 +268,7 @@ _FWD_HOPPER_FULL_BIAS = {
 # backward kernel ms (profiler, 2026-11-24) dense / causal / GQA 16/4 causal: 3.50 / 1.86 / 1.96
 # against bwd.py's 5.08 / 3.46 / 3.49 (cuDNN's whole backward about 3.85 / 2.10 dense / causal)
 # D64: the D128 tiles (no spills; four q / dO buffers measured alike, dense 16k 9.48 against
-# 9.59 ms of fwd+bwd, causal 4k 0.754 / 0.742); `hopper_backward_applies` says which calls
+# 9.59 ms of fwd+bwd, causal 4k 0.754 / 0.742); `hopper_backward_refusal` says which calls
 _BWD_HOPPER = {
     64: HopperTileConfig(64, 128, 2, 240, 24),
     128: HopperTileConfig(64, 128, 2, 240, 24),

@@ -11,12 +11,14 @@ from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, le
                      scores_log2, sequence_bounds, visible_elements)
 from .configs import DROPOUT_MAX_STAGES, cdiv, forward_config, padded_head_dim, tma_enabled
 from .elementwise import Elementwise
-from .fwd_hopper import hopper_forward, hopper_forward_applies
+from .fwd_hopper import hopper_forward
 from .launch import launch
 from .schedule import BlockBits, KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, check_row_order, lse_shape, lse_strides,
                         packed_operands, row_lens_operands, row_strides, tma_compatible,
                         descriptor_workspace)
+
+GLUON_FORWARD, TRITON_FORWARD = "fwd_hopper", "fwd"  # the kernels a plan names
 
 
 @triton.jit
@@ -265,7 +267,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
                       bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
                       packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      row_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      row_order: torch.Tensor | None = None,
+                      kernel: str = TRITON_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
     packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
@@ -277,11 +280,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream.
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
-    Calls without bits or dropout, with row_lens only in length order (row_order) and packing
-    only without a schedule, bias or row_lens, run the Gluon kernel of fwd_hopper.py where it
-    applies (sm90, head dim 128 or 256, or 64 without schedule, bias, row_lens or packing; no
-    softcap, a bias spanning (Sq, Sk) only at 128 and if TMA can read it, a schedule at its
-    tiles)."""
+    kernel: the plan's (plan.py): GLUON_FORWARD runs fwd_hopper.py's kernel, which the plan
+    gives only calls it takes; TRITON_FORWARD this module's."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
@@ -294,10 +294,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if out.numel() == 0:
         return out, lse
     elementwise = mask is not None or bias is not None
-    # per-row key lengths only in length order (the tiles' key ranges come from them)
-    gluon = bits is None and (row_lens is None or row_order is not None) and dropout[0] == 0 \
-        and (packed is None or row_lens is None)
-    if gluon and hopper_forward_applies(q, k, v, out, lse, args, schedule, bias, packed, row_lens):
+    if kernel == GLUON_FORWARD:
         hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
         return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)

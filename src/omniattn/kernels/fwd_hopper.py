@@ -738,58 +738,91 @@ def _fwd_hopper_kernel(
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def gluon_candidate(q: torch.Tensor, args: KernelArgs,
-                    full_bias: torch.Tensor | None = None, backward: bool = False,
-                    plain: bool = False) -> bool:
-    """Whether the Gluon forward (backward: the Gluon backward) can take calls on q's device,
-    dtype and head dim with these arguments: sm90, bf16 / fp16, a head dim it has tiles for
-    (plain: see `hopper_forward_config`), no softcap; a bias spanning (Sq, Sk) (full_bias) only
-    with 2-byte elements that `tiles_by_tma` accepts; not turned off by OMNIATTN_GLUON=0."""
-    if not gluon_enabled() or interpreting() or q.device.type != "cuda":
-        return False
-    if full_bias is not None and (full_bias.element_size() != 2 or not tiles_by_tma(full_bias)):
-        return False
+def device_refusal(device: torch.device) -> str | None:
+    """Why no Gluon kernel runs on `device` (None: an sm90 GPU, Gluon not turned off)."""
+    if not gluon_enabled():
+        return "turned off by OMNIATTN_GLUON=0"
+    if interpreting():
+        return "the Triton interpreter runs Triton kernels only"
+    if device.type != "cuda":
+        return f"q is on {device}, not a CUDA GPU"
+    major, minor = compute_capability(device)
+    if major != 9:
+        return f"the GPU is sm{major}{minor}; the Gluon kernels are built for Hopper (sm90)"
+    return None
+
+
+def gluon_refusal(q: torch.Tensor, args: KernelArgs, full_bias: torch.Tensor | None = None,
+                  backward: bool = False, plain: bool = False) -> str | None:
+    """Why the Gluon forward (backward: the Gluon backward) cannot take calls on q's device,
+    dtype and head dim with these arguments, or None where it can: sm90, bf16 / fp16, a head
+    dim it has tiles for (plain: see `hopper_forward_config`), no softcap; a bias spanning
+    (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off
+    by OMNIATTN_GLUON=0."""
+    refusal = device_refusal(q.device)
+    if refusal is not None:
+        return refusal
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} inputs; the Gluon kernels take bf16 / fp16"
+    if args.softcap != 0:
+        return "softcap (the Gluon kernels have no tanh step)"
+    if full_bias is not None and full_bias.element_size() != 2:
+        return f"a bias spanning (Sq, Sk) in {full_bias.dtype} (its TMA tiles take 2-byte elements)"
+    if full_bias is not None and not tiles_by_tma(full_bias):
+        return "a bias spanning (Sq, Sk) that TMA cannot read (not contiguous or not 16-byte " \
+            "aligned rows)"
     config = hopper_backward_config(q.shape[-1]) if backward \
         else hopper_forward_config(q.shape[-1], full_bias is not None, plain)
-    if compute_capability(q.device)[0] != 9 or config is None:
-        return False
-    return q.dtype in (torch.bfloat16, torch.float16) and args.softcap == 0
+    if config is None:
+        what = " with a bias spanning (Sq, Sk)" if full_bias is not None and not backward else ""
+        return f"no Gluon {'backward' if backward else 'forward'} tiles for head dim " \
+            f"{q.shape[-1]}{what}"
+    return None
 
 
-def _plain(schedule: TileLists | None, bias: Elementwise | None,
-           packed: PackedSequences | None, row_lens: torch.Tensor | None) -> bool:
+def _plain(schedule, bias: Elementwise | None, packed: PackedSequences | None,
+           row_lens: torch.Tensor | None) -> bool:
     """A call `hopper_forward_config` calls plain: no schedule, bias, per-row lengths or
     packing."""
     return schedule is None and bias is None and packed is None and row_lens is None
 
 
-def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, args: KernelArgs, schedule: TileLists | None = None,
+def hopper_forward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, args: KernelArgs,
+                           schedule_tiles: tuple[int, int] | None = None,
                            bias: Elementwise | None = None,
                            packed: PackedSequences | None = None,
-                           row_lens: torch.Tensor | None = None) -> bool:
-    """Whether `hopper_forward` runs this call: a candidate (above) with (B, S, H, D) tensors
-    that TMA can read and an explicit schedule, if any, at its tiles; packed sequences with
-    (total, H, D) tensors whose heads are packed (viewable as (total, H * D)), without a schedule
-    or bias."""
+                           row_lens: torch.Tensor | None = None) -> str | None:
+    """Why `hopper_forward` cannot run this call, or None where it can: a candidate
+    (`gluon_refusal`) with (B, S, H, D) tensors that TMA can read and an explicit schedule, if
+    any (its (block_m, block_n): schedule_tiles), at its tiles; packed sequences with (total, H,
+    D) tensors whose heads are packed (viewable as (total, H * D)), without a schedule or bias.
+    out / lse: the results' layouts (out like q, lse contiguous where the launcher allocates
+    them)."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if packed is not None:
-        if q.dim() != 3 or lse.dim() != 2 or schedule is not None or bias is not None \
-                or not all(_flat_rows(t) for t in (q, k, v, out)):
-            return False
+        if schedule_tiles is not None or bias is not None:
+            return "packed sequences with a mask or bias"
+        if q.dim() != 3 or lse.dim() != 2 or not all(flat_rows(t) for t in (q, k, v, out)):
+            return "packed q / k / v / out whose heads are not packed in their rows"
     elif q.dim() != 4 or lse.dim() != 3:
-        return False
-    plain = _plain(schedule, bias, packed, row_lens)
-    if lse.stride(-1) != 1 or not gluon_candidate(q, args, full_bias, plain=plain):
-        return False
+        return "q / lse are not (B, S, H, D) / (B, H, S)"
+    plain = _plain(schedule_tiles, bias, packed, row_lens)
+    if lse.stride(-1) != 1:
+        return "an lse whose rows are not contiguous"
+    refusal = gluon_refusal(q, args, full_bias, plain=plain)
+    if refusal is not None:
+        return refusal
     cfg = hopper_forward_config(q.shape[-1], full_bias is not None, plain)
-    if schedule is not None and (schedule.block_m, schedule.block_n) != (cfg.block_m,
-                                                                          cfg.block_n):
-        return False
-    return tma_compatible(q, k, v, out)
+    if schedule_tiles is not None and schedule_tiles != (cfg.block_m, cfg.block_n):
+        return f"schedule lists at {schedule_tiles[0]} x {schedule_tiles[1]} tiles, not its " \
+            f"{cfg.block_m} x {cfg.block_n}"
+    if not tma_compatible(q, k, v, out):
+        return "q / k / v / out strides or bases TMA cannot read (16-byte multiples needed)"
+    return None
 
 
-def _flat_rows(t: torch.Tensor) -> bool:
+def flat_rows(t: torch.Tensor) -> bool:
     """(B, S, H, D) with heads and rows packed: viewable as (B * S, H * D); packed sequences'
     (total, H, D) with heads packed: as (total, H * D)."""
     if t.dim() == 3:
@@ -870,7 +903,7 @@ def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
     """Whether 2-d descriptors serve: the lengths fill whole tiles and every tensor's rows are
     packed (B, S, H, D)."""
     return seqlen_q % block_m == 0 and seqlen_k % block_n == 0 \
-        and all(_flat_rows(t) for t in tensors)
+        and all(flat_rows(t) for t in tensors)
 
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
@@ -885,7 +918,7 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     PARTIAL tiles, the bias in every tile. row_lens / row_order (int32 (B, Sq), contiguous; per-row
     key lengths alone): the lengths sorted longest first within each batch, clamped to [0, Sk], and
     the caller row of each (`length_order`): tiles follow that order, q / out / lse stay in the
-    caller's. The caller checked `hopper_forward_applies`."""
+    caller's. The plan (plan.py) gives it only calls `hopper_forward_refusal` accepts."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]

@@ -1,0 +1,143 @@
+"""`omniattn.explain` and the plan: which kernel runs each pass and why the faster ones were
+refused. On a CPU the Hopper cases plan as on an sm90 GPU (the device check patched); nothing
+is launched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omniattn
+from omniattn import plan
+from omniattn.kernels import configs, fwd_hopper
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Plan as on an sm90 GPU with the Gluon kernels on, with the GPU's tile configs (not the
+    interpreter's)."""
+    monkeypatch.setattr(fwd_hopper, "device_refusal", lambda device: None)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+
+
+def qkv(seqlen=256, heads=4, heads_k=4, head_dim=128, dtype=torch.bfloat16, packed=False):
+    shape_q = (2 * seqlen, heads, head_dim) if packed else (2, seqlen, heads, head_dim)
+    shape_k = (2 * seqlen, heads_k, head_dim) if packed else (2, seqlen, heads_k, head_dim)
+    return (torch.randn(shape_q, dtype=dtype, requires_grad=True),
+            torch.randn(shape_k, dtype=dtype, requires_grad=True),
+            torch.randn(shape_k, dtype=dtype, requires_grad=True))
+
+
+def refused(pass_plan: plan.PassPlan) -> str:
+    return " ".join(r.reason for r in pass_plan.refused)
+
+
+def test_dense_d128_on_hopper_runs_gluon(hopper):
+    explained = omniattn.explain(*qkv(), causal=True)
+    assert explained.forward.kernel == "fwd_hopper" and explained.forward.refused == ()
+    assert explained.backward.kernel == "bwd_hopper"
+    assert explained.forward.tiles == (128, 128)
+    text = str(explained)
+    assert "forward: fwd_hopper at 128 x 128 tiles, causal" in text
+    assert "backward: bwd_hopper" in text
+
+
+def test_head_dim_96_takes_triton(hopper):
+    explained = omniattn.explain(*qkv(head_dim=96))
+    assert explained.forward.kernel == "fwd" and explained.backward.kernel == "bwd"
+    assert "no Gluon forward tiles for head dim 96" in refused(explained.forward)
+    assert "no Gluon backward tiles for head dim 96" in refused(explained.backward)
+
+
+def test_full_bias(hopper):
+    q, k, v = qkv()
+    per_head = torch.randn(2, 4, 256, 256, dtype=torch.bfloat16, requires_grad=True)
+    explained = omniattn.explain(q, k, v, attn_bias=per_head)
+    assert (explained.forward.kernel, explained.backward.kernel) == ("fwd_hopper", "bwd_hopper")
+    assert explained.forward.tiles == (128, 64)  # its tiles with a bias spanning (Sq, Sk)
+    shared = torch.randn(2, 1, 256, 256, dtype=torch.bfloat16, requires_grad=True)
+    explained = omniattn.explain(q, k, v, attn_bias=shared)
+    assert explained.forward.kernel == "fwd_hopper" and explained.backward.kernel == "bwd"
+    assert "shared by several query heads" in refused(explained.backward)
+    fp32 = torch.randn(2, 4, 256, 256, dtype=torch.float32)
+    explained = omniattn.explain(q, k, v, attn_bias=fp32)
+    assert explained.forward.kernel == "fwd" and "torch.float32" in refused(explained.forward)
+
+
+def test_per_row_lengths(hopper):
+    lengths = torch.randint(0, 257, (2, 256), dtype=torch.int32)
+    explained = omniattn.explain(*qkv(), seqlens_k_per_row=lengths)
+    assert explained.forward.kernel == "fwd_hopper"
+    assert "rows in length order" in explained.forward.schedule
+    explained = omniattn.explain(*qkv(), seqlens_k_per_row=lengths, causal=True)
+    assert explained.forward.kernel == "fwd"
+    assert "per-row key lengths with other masks" in refused(explained.forward)
+    assert "explicit lists (per-row key lengths)" in explained.forward.schedule
+
+
+def test_packed_sequences_with_a_mask(hopper):
+    q, k, v = qkv(packed=True)
+    cu = torch.tensor([0, 100, 512], dtype=torch.int32)
+    mask = torch.rand(512, 1, 412) > 0.5
+    explained = omniattn.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, attn_mask=mask)
+    assert explained.forward.kernel == "fwd"
+    assert "packed sequences with a mask" in refused(explained.forward)
+    assert "packed sequences with a mask" in refused(explained.backward)
+    explained = omniattn.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    assert (explained.forward.kernel, explained.backward.kernel) == ("fwd_hopper", "bwd_hopper")
+
+
+def test_deterministic_backward(hopper):
+    explained = omniattn.explain(*qkv(), deterministic=True)
+    assert explained.forward.kernel == "fwd_hopper" and explained.backward.kernel == "bwd"
+    assert "deterministic=True" in refused(explained.backward)
+
+
+def test_head_dim_256_backward_splits_the_head_dim(hopper):
+    explained = omniattn.explain(*qkv(head_dim=256), causal=True)
+    assert explained.backward.kernel == "bwd_hopper_wide"
+    mask = torch.rand(2, 1, 256, 256) > 0.5
+    explained = omniattn.explain(*qkv(head_dim=256), attn_mask=mask)
+    assert explained.forward.kernel == "fwd_hopper" and explained.backward.kernel == "bwd"
+    assert "head dim 256" in refused(explained.backward)
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    explained = omniattn.explain(*qkv(head_dim=64))
+    assert explained.backend == "reference" and explained.forward.kernel == "reference"
+    assert "CPU tensors run the exact PyTorch reference" in str(explained)
+
+
+def test_interpreter_and_switch_refusals(monkeypatch):
+    explained = omniattn.explain(*qkv(dtype=torch.float16))
+    assert explained.forward.kernel == "fwd"
+    assert "interpreter" in refused(explained.forward)
+    monkeypatch.setenv("OMNIATTN_GLUON", "0")
+    assert "OMNIATTN_GLUON=0" in refused(omniattn.explain(*qkv(dtype=torch.float16)).forward)
+
+
+def test_explain_validates_like_attention():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="window offsets must be >= 0"):
+        omniattn.explain(q, k, v, window=(-2, 0))
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['causl'\\]"):
+        omniattn.explain(q, k, v, causl=True)
+
+
+def test_the_call_runs_what_the_plan_says(monkeypatch):
+    """attention launches the kernels its plan names (here under the interpreter: fwd / bwd)."""
+    from omniattn.kernels import bwd, fwd
+
+    launched = []
+    forward, backward = fwd.attention_forward, bwd.attention_backward
+    monkeypatch.setattr(fwd, "attention_forward",
+                        lambda *a, **kw: launched.append(kw["kernel"]) or forward(*a, **kw))
+    monkeypatch.setattr(bwd, "attention_backward",
+                        lambda *a, **kw: launched.append(kw["kernel"]) or backward(*a, **kw))
+    from omniattn import autograd
+    monkeypatch.setattr(autograd, "attention_forward", fwd.attention_forward)
+    monkeypatch.setattr(autograd, "attention_backward", bwd.attention_backward)
+    q, k, v = qkv(seqlen=24, heads=2, heads_k=1, head_dim=16, dtype=torch.float16)
+    explained = omniattn.explain(q, k, v, causal=True)
+    omniattn.attention(q, k, v, causal=True).sum().backward()
+    assert launched == [explained.forward.kernel, explained.backward.kernel]
