@@ -348,6 +348,8 @@ class Call:
 
 def _element_tensor(spec: ElementSpec, is_mask: bool, generator: torch.Generator,
                     device: torch.device) -> torch.Tensor:
+    """The mask (keep-fraction `amount`, in its dtype; numeric masks keep nonzero values) or the
+    bias (randn * `amount`) of `spec`."""
     if not is_mask:
         bias = torch.randn(spec.shape, generator=generator, device=device) * spec.amount
         return bias.to(getattr(torch, spec.dtype))
@@ -383,6 +385,9 @@ def _row_lengths(pattern: str, limit: torch.Tensor, generator: torch.Generator) 
 
 
 def _mask_mod(kind: str, params: tuple) -> Callable:
+    """An element predicate for block_mask_from_predicate: "modular" (a scattered pattern of
+    b, h, q, k), "slope" (keys below a line through the rows) or "stripes" (a checkerboard of
+    squares of `width`)."""
     if kind == "modular":
         a, b, c, m = params
         return lambda bi, h, q, k: (q * a + k * b + h * c + bi) % m != 0
@@ -809,7 +814,8 @@ def report(results: list[ConfigResult], requested: int) -> str:
             counts[0] += 1
             counts[1] += result.passed
     width = max([len("family"), *map(len, families)])
-    lines = [f"{'family':<{width}}  configs  passed  failed"]
+    lines = ["per family (a config counts in each family of its features; dense: no mask of "
+             "any kind):", f"{'family':<{width}}  configs  passed  failed"]
     for family, (count, passed) in sorted(families.items()):
         lines.append(f"{family:<{width}}  {count:7d}  {passed:6d}  {count - passed:6d}")
     passed = sum(r.passed for r in results)
