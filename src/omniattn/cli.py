@@ -1,5 +1,6 @@
 """`omniattn` command line: `bench` (speed), `plot` (a PNG of saved records), `check`
-(correctness), `info` (environment)."""
+(correctness: fixed cases, or `check --sweep N --seed S [--jobs J]`, a randomized sweep of every
+feature, see omniattn/sweep.py), `info` (environment)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,13 @@ def _comma_list(choices):
         return items
 
     return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -106,6 +114,11 @@ def _max_errors(tensors: list[torch.Tensor], gold: list[torch.Tensor]) -> list[f
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.sweep is not None or args.config is not None:
+        return _run_sweep(args)
+    if args.seed is not None or args.jobs is not None:
+        print("--seed and --jobs go with --sweep N (or --jobs with --config)")
+        return 2
     device = _current_device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     atol = 1e-3 if dtype == torch.float16 else 1e-5
@@ -136,6 +149,39 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"{'PASS' if passed else 'FAIL'}  {name:<20} {detail}")
     print(f"{len(_CHECK_CASES) - failures} passed, {failures} failed")
     return 1 if failures else 0
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    """--sweep N [--seed S]: configs 0..N-1 of seed S; --config SEED...: those configs alone,
+    each quantity in detail. Exit status 1 if any failed."""
+    from omniattn import sweep
+
+    if args.sweep is not None and args.config is not None:
+        print("give either --sweep N (with --seed) or --config SEED, not both")
+        return 2
+    if args.config is not None and args.seed is not None:
+        print("--seed goes with --sweep; --config takes the config seeds themselves")
+        return 2
+    device = _current_device()
+    jobs = args.jobs or 1
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device_name()
+    # without TRITON_INTERPRET=1 from the start, CPU configs run in interpreter workers
+    path = _omniattn_path(device) if sweep.kernels_run_here(device) \
+        else "Triton kernels under the interpreter, in worker processes"
+    print(f"check: omniattn ({path}) on {device.type} ({where}), {jobs} job(s), against the "
+          f"float64 reference; per quantity: error <= 2 x (reference in the input dtype) "
+          f"error + {sweep.RELATIVE_TOLERANCE:g} x max|float64 reference|")
+    if args.config is not None:
+        results = list(sweep.run_seeds(args.config, device, jobs))
+        for result in results:
+            print(sweep.detail(result))
+        requested = len(args.config)
+    else:
+        print(f"sweep: {args.sweep} configs of seed {args.seed or 0}")
+        results = sweep.sweep(args.sweep, args.seed or 0, device, jobs)
+        requested = args.sweep
+    print(sweep.report(results, requested))
+    return 0 if len(results) == requested and all(r.passed for r in results) else 1
 
 
 def _probe_sdpa(backend, device: torch.device) -> str:
@@ -217,9 +263,27 @@ def main(argv: list[str] | None = None) -> int:
                              help="JSON records of one device, e.g. benchmarks/results/*.json")
     plot_parser.add_argument("--out", metavar="PATH", required=True, help="the PNG to write")
     plot_parser.set_defaults(handler=run_plot)
-    commands.add_parser(
-        "check", help="compare output and gradients with the float64 reference"
-    ).set_defaults(handler=run_check)
+    check_parser = commands.add_parser(
+        "check", help="compare output and gradients with the float64 reference: a few fixed "
+                      "cases, or a randomized sweep of every feature (--sweep)")
+    check_parser.add_argument(
+        "--sweep", type=_positive_int, metavar="N",
+        help="run N random configs (shapes, dtypes, GQA, causal, windows, softcap, masks, "
+             "biases, per-row lengths, block masks, varlen, lse, deterministic) instead of the "
+             "fixed cases; each failing config is printed as an 'omniattn check --config SEED' "
+             "line that re-runs it alone on the same kind of device (CUDA or the CPU "
+             "interpreter draw different sizes)")
+    check_parser.add_argument("--seed", type=int, metavar="S",
+                              help="the sweep's seed (default 0); config i has its own seed, "
+                                   "derived from S and i")
+    check_parser.add_argument("--config", type=int, nargs="+", metavar="SEED",
+                              help="re-run these configs (seeds a sweep printed), each "
+                                   "quantity in detail")
+    check_parser.add_argument("--jobs", type=_positive_int, metavar="J",
+                              help="worker processes sharing the device (default 1); Triton "
+                                   "compiles every new kernel variant, so on a GPU use about "
+                                   "one per CPU core")
+    check_parser.set_defaults(handler=run_check)
     commands.add_parser(
         "info", help="devices, versions and available backends"
     ).set_defaults(handler=run_info)
