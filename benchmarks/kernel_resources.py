@@ -115,6 +115,20 @@ def launches_compiled(names: set[str], reports: list[dict]):
         JITFunction.__getitem__ = original
 
 
+def _elementwise(q: torch.Tensor, mask: bool, bias_form: str | None):
+    """(mask, bias) Elementwise for q (B, S, H, D): a bool mask spanning (Sq, Sk) if `mask`; a
+    bias of `bias_form` "key" (B, H, 1, Sk), "column" (B, H, Sq, 1) or "full" (B, H, Sq, Sk)."""
+    batch, seqlen, heads, _ = q.shape
+    masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
+        if mask else None
+    bias = None
+    if bias_form is not None:
+        rows = 1 if bias_form == "key" else seqlen
+        cols = 1 if bias_form == "column" else seqlen
+        bias = Elementwise.of(torch.randn(batch, heads, rows, cols, dtype=q.dtype), heads)
+    return masks, bias
+
+
 def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs, mask: bool,
                 bias_form: str | None, full_lists: bool, row_lengths: bool,
                 packed: bool) -> None:
@@ -130,13 +144,7 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
         starts = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
         sequences = PackedSequences(starts, starts, seqlen, seqlen)
         q, k = q.flatten(0, 1), k.flatten(0, 1)
-    masks = Elementwise.of(torch.ones(batch, heads, seqlen, seqlen, dtype=torch.bool), heads) \
-        if mask else None
-    bias = None
-    if bias_form is not None:
-        rows = 1 if bias_form == "key" else seqlen
-        cols = 1 if bias_form == "column" else seqlen
-        bias = Elementwise.of(torch.randn(batch, heads, rows, cols, dtype=q.dtype), heads)
+    masks, bias = _elementwise(q, mask, bias_form)
 
     def lists(block_m: int, block_n: int, transposed: bool) -> TileLists:
         states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n),
@@ -182,12 +190,12 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("fwd", "bwd", "gluon-fwd", "gluon-bwd"),
                         default="bwd")
     parser.add_argument("--mask", action="store_true",
-                        help="Gluon kernels: a bool element mask spanning (Sq, Sk)")
+                        help="a bool element mask spanning (Sq, Sk) (Gluon kernels and fwd)")
     parser.add_argument("--lists", action="store_true",
                         help="Gluon kernels: lists of FULL tiles (a block mask's), no mask")
     parser.add_argument("--bias", choices=("key", "column", "full"),
-                        help="Gluon kernels: a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) "
-                        "or a full one")
+                        help="a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) or a full one "
+                        "(Gluon kernels and fwd)")
     parser.add_argument("--row-lengths", action="store_true",
                         help="Gluon kernels: per-row key lengths alone, rows in length order")
     parser.add_argument("--packed", action="store_true",
@@ -219,7 +227,8 @@ def main() -> None:
     with launches_compiled({"_fwd_kernel", "_bwd_kernel", "_fwd_hopper_kernel",
                             "_bwd_hopper_kernel", "_bwd_wide_kernel"}, reports):
         if opts.kernel == "fwd":
-            fwd.attention_forward(q, k, v, args)
+            mask, bias = _elementwise(q, opts.mask, opts.bias)
+            fwd.attention_forward(q, k, v, args, mask=mask, bias=bias)
         elif opts.kernel == "bwd":
             bwd.attention_backward(q, q, k, v, q, lse, args)
         else:

@@ -168,6 +168,12 @@ _FWD_ELEMENTWISE = {
     # 0.658 / 0.726, (64, 128, 4, 2) 0.733 / 0.732
     128: TileConfig(64, 64, 4, 2),
 }
+# the same through tensor descriptors at head dims above 128: _FWD_TMA's three stages of
+# 64 x 256 K / V tiles beside a mask or bias tile need 238-263 KB of shared memory (sm_90a,
+# benchmarks/kernel_resources.py), over the H100's 227 KB; two stages take 165-185 KB
+_FWD_TMA_ELEMENTWISE = {
+    256: TileConfig(64, 64, 4, 2),
+}
 # a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile.
 # H100, bf16, B2 H16 4k causal top-k (52% tiles), backward kernel (2026-11-24, profiler); the
 # dK/dV programs spill at 255 registers with 64-query tiles (44 spills; 84-100 with atomic dQ)
@@ -407,6 +413,8 @@ def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
     key = _key(head_dim, masked or elementwise)
     if elementwise and key[0] in _FWD_ELEMENTWISE:
         return _FWD_ELEMENTWISE[key[0]]
+    if elementwise and tma and key[0] in _FWD_TMA_ELEMENTWISE:
+        return _FWD_TMA_ELEMENTWISE[key[0]]
     if tma and key in _FWD_TMA:
         return _FWD_TMA[key]
     return _FWD[key]
