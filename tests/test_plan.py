@@ -7,16 +7,19 @@ import pytest
 import torch
 
 import omniattn
-from omniattn import plan
+from helpers import DEVICE, GPU
+from omniattn import api, plan
 from omniattn.kernels import configs, fwd_hopper
 
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """Plan as on an sm90 GPU with the Gluon kernels on, with the GPU's tile configs (not the
-    interpreter's)."""
+    """Plan CPU tensors as on an sm90 GPU with the Gluon kernels on, with the GPU's tile
+    configs (not the interpreter's)."""
     monkeypatch.setattr(fwd_hopper, "device_refusal", lambda device: None)
     monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
+    monkeypatch.setattr(api, "uses_kernels", lambda q: True)
 
 
 def qkv(seqlen=256, heads=4, heads_k=4, head_dim=128, dtype=torch.bfloat16, packed=False):
@@ -108,6 +111,7 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
     assert "CPU tensors run the exact PyTorch reference" in str(explained)
 
 
+@pytest.mark.skipif(GPU, reason="the interpreter runs where there is no GPU")
 def test_interpreter_and_switch_refusals(monkeypatch):
     explained = omniattn.explain(*qkv(dtype=torch.float16))
     assert explained.forward.kernel == "fwd"
@@ -137,7 +141,8 @@ def test_the_call_runs_what_the_plan_says(monkeypatch):
     from omniattn import autograd
     monkeypatch.setattr(autograd, "attention_forward", fwd.attention_forward)
     monkeypatch.setattr(autograd, "attention_backward", bwd.attention_backward)
-    q, k, v = qkv(seqlen=24, heads=2, heads_k=1, head_dim=16, dtype=torch.float16)
+    q, k, v = (t.detach().to(DEVICE).requires_grad_()
+               for t in qkv(seqlen=24, heads=2, heads_k=1, head_dim=16, dtype=torch.float16))
     explained = omniattn.explain(q, k, v, causal=True)
     omniattn.attention(q, k, v, causal=True).sum().backward()
     assert launched == [explained.forward.kernel, explained.backward.kernel]

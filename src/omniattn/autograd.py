@@ -257,8 +257,9 @@ def kernel_inputs(q, k, v, args: KernelArgs, kernels: tuple[str, str],
 
 
 def forward_parts(call: ForwardCall) -> tuple:
-    """(out, lse, call): what attention_with_graph's forward gives, from kernel_inputs."""
-    return (*_forward_impl(*call), call)
+    """(out, lse, the call's fields): what attention_with_graph's forward gives, from
+    kernel_inputs (a plain tuple, as call plans record results)."""
+    return (*_forward_impl(*call), tuple(call))
 
 
 def records_graph(q, k, v, attn_bias) -> bool:

@@ -22,7 +22,7 @@ from .kernels.elementwise import Elementwise
 from .kernels.fwd import GLUON_FORWARD, TRITON_FORWARD
 from .kernels.fwd_hopper import gluon_refusal, hopper_forward_refusal
 from .kernels.schedule import KernelArgs
-from .kernels.sequences import PackedSequences, lse_shape, tma_compatible
+from .kernels.sequences import PackedSequences, tma_compatible
 from .predicate import RelativePredicate
 
 REFERENCE = "reference"
@@ -250,11 +250,9 @@ def forward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
     elif form.packed is not None and form.row_lens is not None:
         refusal = "packed sequences with per-row key lengths"
     else:
-        out = torch.empty_like(form.q, device="meta")  # as the launcher allocates them
-        lse = torch.empty(lse_shape(form.q), device="meta")
         schedule_tiles = lists.forward if lists is not None else None
-        refusal = hopper_forward_refusal(form.q, form.k, form.v, out, lse, form.args,
-                                         schedule_tiles, form.bias, form.packed, form.row_lens)
+        refusal = hopper_forward_refusal(form.q, form.k, form.v, form.args, schedule_tiles,
+                                         form.bias, form.packed, form.row_lens)
         if refusal is not None and lists is not None and lists.gluon_refusal is not None \
                 and schedule_tiles != _gluon_forward_tiles(form):
             refusal = lists.gluon_refusal

@@ -788,8 +788,7 @@ def _plain(schedule, bias: Elementwise | None, packed: PackedSequences | None,
 
 
 def hopper_forward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, args: KernelArgs,
-                           schedule_tiles: tuple[int, int] | None = None,
+                           args: KernelArgs, schedule_tiles: tuple[int, int] | None = None,
                            bias: Elementwise | None = None,
                            packed: PackedSequences | None = None,
                            row_lens: torch.Tensor | None = None) -> str | None:
@@ -797,19 +796,17 @@ def hopper_forward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (`gluon_refusal`) with (B, S, H, D) tensors that TMA can read and an explicit schedule, if
     any (its (block_m, block_n): schedule_tiles), at its tiles; packed sequences with (total, H,
     D) tensors whose heads are packed (viewable as (total, H * D)), without a schedule or bias.
-    out / lse: the results' layouts (out like q, lse contiguous where the launcher allocates
-    them)."""
+    The results are the launcher's: out like q (its layout when q's is dense, else contiguous;
+    TMA reads either where it reads q), lse contiguous."""
     full_bias = bias.tensor if bias is not None and bias.spans_queries_and_keys else None
     if packed is not None:
         if schedule_tiles is not None or bias is not None:
             return "packed sequences with a mask or bias"
-        if q.dim() != 3 or lse.dim() != 2 or not all(flat_rows(t) for t in (q, k, v, out)):
-            return "packed q / k / v / out whose heads are not packed in their rows"
-    elif q.dim() != 4 or lse.dim() != 3:
-        return "q / lse are not (B, S, H, D) / (B, H, S)"
+        if q.dim() != 3 or not all(flat_rows(t) for t in (q, k, v)):
+            return "packed q / k / v whose heads are not packed in their rows"
+    elif q.dim() != 4:
+        return "q is not (B, S, H, D)"
     plain = _plain(schedule_tiles, bias, packed, row_lens)
-    if lse.stride(-1) != 1:
-        return "an lse whose rows are not contiguous"
     refusal = gluon_refusal(q, args, full_bias, plain=plain)
     if refusal is not None:
         return refusal
@@ -817,8 +814,8 @@ def hopper_forward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if schedule_tiles is not None and schedule_tiles != (cfg.block_m, cfg.block_n):
         return f"schedule lists at {schedule_tiles[0]} x {schedule_tiles[1]} tiles, not its " \
             f"{cfg.block_m} x {cfg.block_n}"
-    if not tma_compatible(q, k, v, out):
-        return "q / k / v / out strides or bases TMA cannot read (16-byte multiples needed)"
+    if not tma_compatible(q, k, v):
+        return "q / k / v strides or bases TMA cannot read (16-byte multiples needed)"
     return None
 
 
