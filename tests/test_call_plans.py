@@ -512,7 +512,9 @@ def test_row_lengths_calls_replay_once_checked(monkeypatch, grad):
             dout = torch.randn_like(out)
             got = torch.autograd.grad(out, (q, k, v), dout)
             want = torch.autograd.grad(expected, (q, k, v), dout)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), call
+            # the Gluon backward sums dQ by atomics, in no fixed order
+            torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2, msg=str(call))
+            assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), call
     # the first call checks the lengths, the second is seen, the third recorded, the later
     # ones replay
     assert paths.count("plan") >= 2, paths
