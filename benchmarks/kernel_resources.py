@@ -139,12 +139,12 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
     `row_lengths`: per-row key lengths alone, the rows in length order; `packed`: the batch's
     rows as packed sequences (varlen) of equal lengths."""
     batch, seqlen, heads, head_dim = q.shape
+    masks, bias = _elementwise(q, mask, bias_form)
     sequences = None
     if packed:
         starts = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
         sequences = PackedSequences(starts, starts, seqlen, seqlen)
         q, k = q.flatten(0, 1), k.flatten(0, 1)
-    masks, bias = _elementwise(q, mask, bias_form)
 
     def lists(block_m: int, block_n: int, transposed: bool) -> TileLists:
         states = torch.full((batch, heads, seqlen // block_m, seqlen // block_n),

@@ -9,14 +9,14 @@ import torch
 import omniattn
 from helpers import DEVICE, GPU
 from omniattn import api, plan
-from omniattn.kernels import configs, fwd_hopper
+from omniattn.kernels import configs, gluon_blocks
 
 
 @pytest.fixture
 def hopper(monkeypatch):
     """Plan CPU tensors as on an sm90 GPU with the Gluon kernels on, with the GPU's tile
     configs (not the interpreter's)."""
-    monkeypatch.setattr(fwd_hopper, "device_refusal", lambda device: None)
+    monkeypatch.setattr(gluon_blocks, "device_refusal", lambda device: None)
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
     monkeypatch.setattr(api, "uses_kernels", lambda q: True)

@@ -30,7 +30,7 @@ import omniattn
 from omniattn.api import groups_rows_by_length
 from omniattn.kernels.configs import (forward_config, hopper_forward_config, interpreting,
                                       switches)
-from omniattn.kernels.fwd_hopper import gluon_refusal
+from omniattn.kernels.gluon_blocks import gluon_refusal
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.predicate import RelativePredicate
 

@@ -20,7 +20,8 @@ from .kernels.configs import (backward_config, forward_config, hopper_backward_c
                               interpreting, tma_enabled)
 from .kernels.elementwise import Elementwise
 from .kernels.fwd import GLUON_FORWARD, TRITON_FORWARD
-from .kernels.fwd_hopper import gluon_refusal, hopper_forward_refusal
+from .kernels.fwd_hopper import hopper_forward_refusal
+from .kernels.gluon_blocks import gluon_refusal
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, tma_compatible
 from .predicate import RelativePredicate

@@ -20,8 +20,8 @@ from .bwd_hopper import backward_row_stats, hopper_backward
 from .bwd_hopper_wide import hopper_backward_wide
 from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
                       hopper_backward_config, next_power_of_2, padded_head_dim)
-from .fwd_hopper import flat_rows
 from .elementwise import Elementwise
+from .gluon_blocks import flat_rows
 from .launch import launch
 from .schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,

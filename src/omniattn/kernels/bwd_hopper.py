@@ -34,9 +34,9 @@ from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
                       hopper_backward_dq_trails, hopper_backward_p_rounding,
                       hopper_backward_splits_head_dim, sm_count)
 from .elementwise import Elementwise
-from .fwd_hopper import (_copy_tile, _descriptor, flat_rows, _load_tile, _scatter_rows,
-                         _tile_at, by_tma, flat_launch, flat_view_bounds, gluon_refusal,
-                         hand_over, handed, producer_tiles, tensor_descriptor)
+from .gluon_blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows,
+                           flat_view_bounds, gluon_refusal, hand_over, handed, load_tile,
+                           producer_tiles, scatter_rows, tensor_descriptor, tile_at)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
@@ -49,7 +49,7 @@ _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, 
 
 
 @builtin
-def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+def async_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA reduce-add of the shared-memory tile src into the tensor at coord (a bulk async
     operation, waited for with tma.store_wait like a TMA store); gluon 3.6 exposes the copy but
     not the reduction."""
@@ -76,7 +76,7 @@ def _round_in_pairs(x, dtype: gl.constexpr):
 def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
                 stride_fih, first_m, end_m, EXPLICIT: gl.constexpr):
     """Query tiles of the group's head h: (num_part, part_list, full_list, num_steps, first);
-    step j visits tile first + `_tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
+    step j visits tile first + `tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
     FULL one (pointers given at the group's first head, per-head strides 0 where the schedule
     broadcasts heads); implicit: tiles [first_m, end_m)."""
     if EXPLICIT:
@@ -111,9 +111,9 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
     (`_listed_tiles`)."""
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
-        _load_tile(k_desc, off_b, key0, off_hk, k_start, kv_ready.index(c), k_smem.index(c),
+        load_tile(k_desc, off_b, key0, off_hk, k_start, kv_ready.index(c), k_smem.index(c),
                    HEAD_DIM, FLAT)
-        _load_tile(v_desc, off_b, key0, off_hk, k_start, kv_ready.index(2 + c), v_smem.index(c),
+        load_tile(v_desc, off_b, key0, off_hk, k_start, kv_ready.index(2 + c), v_smem.index(c),
                    HEAD_DIM, FLAT)
     i = 0
     for h in range(group):
@@ -123,10 +123,10 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
             stride_fih, first_m, end_m, EXPLICIT)
         mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
         # the list entry of step j + 1 is read during step j
-        next_tile = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
+        next_tile = first + tile_at(0, num_part, head_part, head_full, EXPLICIT)
         for j in range(num_steps):
             tile = next_tile
-            next_tile = first + _tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
+            next_tile = first + tile_at(gl.minimum(j + 1, num_steps - 1), num_part, head_part,
                                          head_full, EXPLICIT)
             row = tile * BLOCK_M
             buf = i % NUM_BUF
@@ -152,13 +152,13 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
                 mbarrier.expect(q_ready.index(buf), q_bytes)
             tma.async_copy_global_to_shared(stats_desc, [stats_row, row], q_ready.index(buf),
                                             lse_smem.index(buf))
-            _copy_tile(q_desc, off_b, row, head, q_start, q_ready.index(buf), q_smem.index(buf),
+            copy_tile(q_desc, off_b, row, head, q_start, q_ready.index(buf), q_smem.index(buf),
                        HEAD_DIM, FLAT)
             mbarrier.expect(do_ready.index(buf),
                             do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(stats_desc, [delta_row0 + stats_row, row],
                                             do_ready.index(buf), delta_smem.index(buf))
-            _copy_tile(do_desc, off_b, row, head, q_start, do_ready.index(buf),
+            copy_tile(do_desc, off_b, row, head, q_start, do_ready.index(buf),
                        do_smem.index(buf), HEAD_DIM, FLAT)
             i += 1
 
@@ -287,10 +287,10 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, tile_m, head, softmax_s
     for c in gl.static_range(2):
         col = head * HEAD_DIM + CONSUMER * (HEAD_DIM // 2) + c * (HEAD_DIM // 4)
         if FLAT:
-            _async_reduce_add(dq_desc, [q_start + tile_m * BLOCK_M, col],
+            async_reduce_add(dq_desc, [q_start + tile_m * BLOCK_M, col],
                               dq_smem.index(c))
         else:
-            _async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
+            async_reduce_add(dq_desc, [off_b, tile_m * BLOCK_M, head, col - head * HEAD_DIM],
                               dq_smem.index(c))
 
 
@@ -601,7 +601,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         if BIAS_TMA:
             # the head's first tile from the list itself: from the producer, its copy would
             # wait for the step's q to land (once per head, outside the loop of steps)
-            first_m_of_head = first + _tile_at(0, num_part, head_part, head_full, EXPLICIT)
+            first_m_of_head = first + tile_at(0, num_part, head_part, head_full, EXPLICIT)
             _copy_bias_tile(bias_desc, bias_row + first_m_of_head * BLOCK_M, key0, bias_ready,
                             ds_smem, i, num_steps > 0, CONSUMER, HALF_N, NUM_DS)
         # runs of steps: the masked ones, the whole ones, then (implicit) with a left bound the
@@ -646,9 +646,9 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     k_half.store((dk * softmax_scale).to(k_half.dtype))
     if PACKED and key0 + HALF_N > seqlen_k:
         # TMA would write the next sequence's keys too
-        _scatter_rows(v_half, dv_rows, stride_dvm, dv_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
+        scatter_rows(v_half, dv_rows, stride_dvm, dv_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
                       ORDERED=False)
-        _scatter_rows(k_half, dk_rows, stride_dkm, dk_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
+        scatter_rows(k_half, dk_rows, stride_dkm, dk_rows, key0, seqlen_k, HALF_N, HEAD_DIM,
                       ORDERED=False)
     elif FLAT:
         fence_async_shared()
@@ -1018,10 +1018,10 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         pairs_per_group if longest_first else None,
         bias is not None and bias.spans_queries_and_keys)
     launch(_bwd_hopper_kernel, grid,
-        _descriptor(q, cfg.block_m, flat), _descriptor(k, half_n, flat),
-        _descriptor(v, half_n, flat), _descriptor(dout, cfg.block_m, flat),
-        _descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), _descriptor(dk, half_n, flat),
-        _descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
+        descriptor(q, cfg.block_m, flat), descriptor(k, half_n, flat),
+        descriptor(v, half_n, flat), descriptor(dout, cfg.block_m, flat),
+        descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), descriptor(dk, half_n, flat),
+        descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
         num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_left,
         args.window_right,
         args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group, *lists,

@@ -20,11 +20,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_hopper import (_async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
+from .bwd_hopper import (async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
                          stats_descriptor)
 from .common import implicit_q_range
 from .configs import cdiv, hopper_backward_config
-from .fwd_hopper import _descriptor, flat_launch, flat_view_bounds
+from .gluon_blocks import descriptor, flat_launch, flat_view_bounds
 from .launch import launch
 from .schedule import KernelArgs
 from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
@@ -120,9 +120,9 @@ def _reduce_box(values, box, dq_desc, off_b, row, col, head, q_start, HEAD_DIM: 
     target.reshape([64, 32]).store(values)
     fence_async_shared()
     if FLAT:
-        _async_reduce_add(dq_desc, [q_start + row, head * HEAD_DIM + col], target)
+        async_reduce_add(dq_desc, [q_start + row, head * HEAD_DIM + col], target)
     else:
-        _async_reduce_add(dq_desc, [off_b, row, head, col], target)
+        async_reduce_add(dq_desc, [off_b, row, head, col], target)
 
 
 @gluon.jit
@@ -409,8 +409,8 @@ def hopper_backward_wide(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                           q.device)
     # [64, 64] boxes (dQ's: fp32 [64, 32])
     launch(_bwd_wide_kernel, grid,
-        *(_descriptor(t, BOX, flat, BOX) for t in (q, k, v, dout)),
-        _descriptor(dq_sum, BOX, flat, 32), stats_descriptor(row_stats, cfg.block_m), dk, dv,
+        *(descriptor(t, BOX, flat, BOX) for t in (q, k, v, dout)),
+        descriptor(dq_sum, BOX, flat, 32), stats_descriptor(row_stats, cfg.block_m), dk, dv,
         *row_strides(dk), dk.stride(-1), *row_strides(dv), dv.stride(-1), seqlen_q, seqlen_k,
         num_heads_k, num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q,
         args.window_left, args.window_right, args.qk_scale_log2, args.softmax_scale, num_pairs,

@@ -16,20 +16,18 @@ end stores its rows inside it without TMA. Lengths with other terms, packed sequ
 dropout, softcap and block-mask bitmaps run in `fwd.py`."""
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import (clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows,
-                     sequence_bounds)
-from .configs import (cdiv, compute_capability, gluon_enabled, hopper_backward_config,
-                      hopper_forward_config, interpreting)
+from .common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
+from .configs import cdiv, hopper_forward_config
 from .elementwise import Elementwise
+from .gluon_blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows,
+                           flat_view_bounds, gather_rows, gluon_refusal, hand_over, handed,
+                           load_tile, producer_tiles, scatter_rows, tile_at)
 from .launch import launch
 from .schedule import KernelArgs, TileLists
 from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
@@ -37,87 +35,6 @@ from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operan
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _copy_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM: gl.constexpr,
-               FLAT: gl.constexpr):
-    """TMA copy of the tile at (batch, first row, head) into dst; it arrives on `ready`, whose
-    expected bytes the caller set. FLAT: the batch's rows start at seq_start of the 2-d view."""
-    if FLAT:
-        tma.async_copy_global_to_shared(desc, [seq_start + row, head * HEAD_DIM], ready, dst)
-    else:
-        tma.async_copy_global_to_shared(desc, [off_b, row, head, 0], ready, dst)
-
-
-@gluon.jit
-def _load_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM: gl.constexpr,
-               FLAT: gl.constexpr):
-    """`_copy_tile` as the only copy arriving on `ready`."""
-    mbarrier.expect(ready, desc.block_type.nbytes)
-    _copy_tile(desc, off_b, row, head, seq_start, ready, dst, HEAD_DIM, FLAT)
-
-
-@gluon.jit
-def producer_tiles(desc, NUM_BUF: gl.constexpr, BY_TMA: gl.constexpr, CONSUMERS: gl.constexpr = 2):
-    """Shared memory for the mask / bias tiles a producer copies through `desc` (BY_TMA): one
-    box per consumer and buffer, index CONSUMERS * buf + c; without BY_TMA a small stand-in, not
-    read."""
-    if BY_TMA:
-        smem = gl.allocate_shared_memory(desc.dtype, [NUM_BUF * CONSUMERS] + desc.block_type.shape,
-                                         desc.layout)
-    else:
-        smem = gl.allocate_shared_memory(gl.uint8, [2, 16, 16],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    return smem
-
-
-@gluon.jit
-def _tile_at(step, num_part, part_list, full_list, EXPLICIT: gl.constexpr):
-    """Key tile of a program's step: explicit schedules walk the PARTIAL list, then the FULL
-    one; implicit ones tiles 0, 1, ..."""
-    if EXPLICIT:
-        if step < num_part:
-            tile = gl.load(part_list + step)
-        else:
-            tile = gl.load(full_list + (step - num_part))
-    else:
-        tile = step
-    return tile
-
-
-@gluon.jit
-def flat_view_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset,
-                     PACKED: gl.constexpr):
-    """(first query row, Sq, first key row, Sk, diag offset) of batch off_b in the flat views:
-    a padded batch's rows from off_b * S with the launch's lengths; packed sequences' from
-    cu_seqlens (`common.sequence_bounds`), each sequence's diagonal at its own bottom right."""
-    if PACKED:
-        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
-                                                               seqlen_q, seqlen_k, True)
-        diag_offset = seqlen_k - seqlen_q
-    else:
-        q_start = off_b * seqlen_q
-        k_start = off_b * seqlen_k
-    return q_start, seqlen_q, k_start, seqlen_k, diag_offset
-
-
-@gluon.jit
-def hand_over(slot, value):
-    """Producer (one warp): value into a one-int32 shared-memory slot, stored before the barrier
-    arrival that tells the consumers the step's tiles are there (`handed` reads it after that
-    wait). A consumer's own load of a list entry stalls it: the wgmma fence of its next matmul
-    waits for the load (`_listed_tiles` in bwd_hopper.py has the backward's numbers). Forward,
-    H100, kernel ms (profiler, 2026-11-24), issue #4's causal top-k mask, B2 H16 4k, key / full
-    bias: consumer loads 0.397-0.402 / 0.433-0.436, handed over 0.390-0.394 / 0.421-0.426;
-    block masks unchanged (their consumers need no key start: no mask, bias or cut keys)."""
-    slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-
-
-@gluon.jit
-def handed(slot):
-    """Consumer warpgroup: the value `hand_over` left in slot, once its barrier is waited for."""
-    return gl.max(slot.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 
 @gluon.jit
@@ -151,13 +68,13 @@ def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
      k_start, mask_desc, mask_smem, mask_row, bias_desc, bias_smem, bias_row, next_tiles) = loads
     if not ROW_ORDER:
         for c in gl.static_range(CONSUMERS):
-            _load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, q_start, q_ready.index(c),
+            load_tile(q_desc, off_b, start_m + c * BLOCK_M, off_h, q_start, q_ready.index(c),
                        q_smem.index(c), HEAD_DIM, FLAT)
-    next_tile = _tile_at(0, num_part, part_list, full_list, EXPLICIT)
+    next_tile = tile_at(0, num_part, part_list, full_list, EXPLICIT)
     for j in range(num_tiles):
         buf = j % NUM_BUF
         tile = next_tile
-        next_tile = _tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
+        next_tile = tile_at(gl.minimum(j + 1, num_tiles - 1), num_part, part_list, full_list,
                              EXPLICIT)
         start_n = (first_tile + tile) * BLOCK_N
         # a fresh barrier passes a wait on parity 1: the first round needs no release
@@ -186,13 +103,13 @@ def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
                     tma.async_copy_global_to_shared(
                         bias_desc, [bias_row + c * BLOCK_M, start_n], k_ready.index(buf),
                         bias_smem.index(buf * CONSUMERS + c))
-            _copy_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
+            copy_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         else:
-            _load_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
+            load_tile(k_desc, off_b, start_n, off_hk, k_start, k_ready.index(buf),
                        k_smem.index(buf), HEAD_DIM, FLAT)
         mbarrier.wait(kv_free.index(NUM_BUF + buf), ((j // NUM_BUF) & 1) ^ 1)
-        _load_tile(v_desc, off_b, start_n, off_hk, k_start, v_ready.index(buf),
+        load_tile(v_desc, off_b, start_n, off_hk, k_start, v_ready.index(buf),
                    v_smem.index(buf), HEAD_DIM, FLAT)
 
 
@@ -317,47 +234,6 @@ def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr)
         mbarrier.arrive(kv_free.index(NUM_BUF + j % NUM_BUF))
 
 
-# whole rows, 8 consecutive elements (16 bytes) per thread and access
-_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-
-
-@gluon.jit
-def _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr = True):
-    """(pointers [BM, D], rows inside Sq [BM]) of rows [row0, row0 + BM) of the length order at
-    their caller rows order_rows[r] of rows_base (not ORDERED: at rows row0 + r), in
-    `_ROWS_LAYOUT`."""
-    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _ROWS_LAYOUT))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS_LAYOUT))
-    inside = row0 + local < seqlen_q
-    if ORDERED:
-        callers = gl.load(order_rows + row0 + local, mask=inside, other=0)
-    else:
-        callers = row0 + local
-    return rows_base + callers.to(gl.int64)[:, None] * stride_m + cols[None, :], inside
-
-
-@gluon.jit
-def _gather_rows(rows_base, stride_m, order_rows, row0, seqlen_q, dst, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
-    """dst ([BM, D] in shared memory) <- rows [row0, row0 + BM) of the length order, each read
-    from its caller row order_rows[r] of rows_base (rows past Sq: 0), ready for a wgmma."""
-    ptrs, inside = _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M,
-                                HEAD_DIM)
-    dst.store(gl.load(ptrs, mask=inside[:, None], other=0.0))
-    fence_async_shared()
-
-
-@gluon.jit
-def _scatter_rows(src, rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, ORDERED: gl.constexpr = True):
-    """`_gather_rows` reversed: src's rows ([BM, D] in shared memory) to their caller rows (not
-    ORDERED: to rows row0 + r, those inside Sq)."""
-    ptrs, inside = _caller_rows(rows_base, stride_m, order_rows, row0, seqlen_q, BLOCK_M,
-                                HEAD_DIM, ORDERED)
-    gl.store(ptrs, src.load(_ROWS_LAYOUT), mask=inside[:, None])
-
-
 @gluon.jit
 def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
@@ -403,7 +279,7 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
     row_ends = seqlen_k
     if ROW_ORDER:
-        _gather_rows(q_rows, stride_qm, order_rows, row0, seqlen_q, q, BLOCK_M, HEAD_DIM)
+        gather_rows(q_rows, stride_qm, order_rows, row0, seqlen_q, q, BLOCK_M, HEAD_DIM)
         row_ends = gl.load(lens_rows + rows, mask=rows < seqlen_q, other=0)  # [BM]
     # keys [0, key_full) are visible to every row of this consumer (explicit schedules)
     key_full = _key_end(row0, seqlen_k, diag_offset, window_right, HAS_RIGHT)
@@ -439,7 +315,7 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     if num_tiles > first:
-        start_n = (first_tile + _tile_at(first, num_part, part_list, full_list, EXPLICIT)) \
+        start_n = (first_tile + tile_at(first, num_part, part_list, full_list, EXPLICIT)) \
             * BLOCK_N
         keep, bias = _elementwise_tiles(
             start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
@@ -515,12 +391,12 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
     # the query buffer is free now: stage the output there
     if ROW_ORDER:
         q.store(out)
-        _scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM)
+        scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM)
     else:
         mbarrier.wait(q_ready.index(CONSUMER), 0)
         q.store(out)
         if PACKED and row0 + BLOCK_M > seqlen_q:
-            _scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM,
+            scatter_rows(q, o_rows, stride_om, order_rows, row0, seqlen_q, BLOCK_M, HEAD_DIM,
                           ORDERED=False)
         else:
             # padded: TMA drops rows past Sq
@@ -738,48 +614,6 @@ def _fwd_hopper_kernel(
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def device_refusal(device: torch.device) -> str | None:
-    """Why no Gluon kernel runs on `device` (None: an sm90 GPU, Gluon not turned off)."""
-    if not gluon_enabled():
-        return "turned off by OMNIATTN_GLUON=0"
-    if interpreting():
-        return "the Triton interpreter runs Triton kernels only"
-    if device.type != "cuda":
-        return f"q is on {device}, not a CUDA GPU"
-    major, minor = compute_capability(device)
-    if major != 9:
-        return f"the GPU is sm{major}{minor}; the Gluon kernels are built for Hopper (sm90)"
-    return None
-
-
-def gluon_refusal(q: torch.Tensor, args: KernelArgs, full_bias: torch.Tensor | None = None,
-                  backward: bool = False, plain: bool = False) -> str | None:
-    """Why the Gluon forward (backward: the Gluon backward) cannot take calls on q's device,
-    dtype and head dim with these arguments, or None where it can: sm90, bf16 / fp16, a head
-    dim it has tiles for (plain: see `hopper_forward_config`), no softcap; a bias spanning
-    (Sq, Sk) (full_bias) only with 2-byte elements that `tiles_by_tma` accepts; not turned off
-    by OMNIATTN_GLUON=0."""
-    refusal = device_refusal(q.device)
-    if refusal is not None:
-        return refusal
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"{q.dtype} inputs; the Gluon kernels take bf16 / fp16"
-    if args.softcap != 0:
-        return "softcap (the Gluon kernels have no tanh step)"
-    if full_bias is not None and full_bias.element_size() != 2:
-        return f"a bias spanning (Sq, Sk) in {full_bias.dtype} (its TMA tiles take 2-byte elements)"
-    if full_bias is not None and not tiles_by_tma(full_bias):
-        return "a bias spanning (Sq, Sk) that TMA cannot read (not contiguous or not 16-byte " \
-            "aligned rows)"
-    config = hopper_backward_config(q.shape[-1]) if backward \
-        else hopper_forward_config(q.shape[-1], full_bias is not None, plain)
-    if config is None:
-        what = " with a bias spanning (Sq, Sk)" if full_bias is not None and not backward else ""
-        return f"no Gluon {'backward' if backward else 'forward'} tiles for head dim " \
-            f"{q.shape[-1]}{what}"
-    return None
-
-
 def _plain(schedule, bias: Elementwise | None, packed: PackedSequences | None,
            row_lens: torch.Tensor | None) -> bool:
     """A call `hopper_forward_config` calls plain: no schedule, bias, per-row lengths or
@@ -819,90 +653,6 @@ def hopper_forward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return None
 
 
-def flat_rows(t: torch.Tensor) -> bool:
-    """(B, S, H, D) with heads and rows packed: viewable as (B * S, H * D); packed sequences'
-    (total, H, D) with heads packed: as (total, H * D)."""
-    if t.dim() == 3:
-        return t.stride(1) == t.shape[2]
-    batch, seqlen, heads, dim = t.shape
-    return t.stride(2) == dim and t.stride(0) == seqlen * t.stride(1)
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-              torch.uint8: gl.uint8}
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    # made once: building the layout was a quarter of the launch's host time
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def tensor_descriptor(base: torch.Tensor, shape: list[int], strides: list[int],
-                      block: tuple[int, ...], layout: gl.NVMMASharedLayout) -> TensorDescriptor:
-    """A host TensorDescriptor without the dataclass's validation (3.6 against 14.6 us of host
-    time each on a CI CPU, and a backward passes eight): callers pass non-empty tensors that
-    `tma_compatible` accepted, blocks of powers of two."""
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = base, shape, strides
-    desc.block_shape, desc.layout, desc.padding = list(block), layout, "zero"
-    return desc
-
-
-def _descriptor(t: torch.Tensor, block_rows: int, flat: bool,
-                block_cols: int | None = None) -> TensorDescriptor:
-    """4-d over (B, S, H, D): tiles stop at each sequence's end (TMA fills 0, drops stores);
-    flat: 2-d over (B * S, H * D), for launches whose tiles never cross a sequence's end (H100
-    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456), or over
-    packed sequences' (total, H, D) as (total, H * D), whose tiles do (the kernels drop what
-    they read of the next sequence and store none of its rows). block_cols: of the head dim
-    (all of it by default)."""
-    if t.dim() == 3:
-        t = t.unsqueeze(0)
-    batch, seqlen, heads, dim = t.shape
-    block_cols = dim if block_cols is None else block_cols
-    if flat:  # rows packed (`flat_launch`): the view (B * S, H * D) without making it
-        block = (block_rows, block_cols)
-        shape, strides = [batch * seqlen, heads * dim], [t.stride(1), 1]
-    else:
-        block = (1, block_rows, 1, block_cols)
-        shape, strides = list(t.shape), list(t.stride())
-    return tensor_descriptor(t, shape, strides, block, _shared_layout(block, t.dtype))
-
-
-def tiles_by_tma(t: torch.Tensor) -> bool:
-    """Whether a (B|1, H|Hk|1, Sq, Sk) mask or bias can come by TMA: contiguous, its rows
-    16-byte aligned."""
-    return t.is_contiguous() and tma_compatible(t)
-
-
-def by_tma(elementwise: Elementwise | None, block_rows: int, block_cols: int,
-           element_size: int):
-    """(descriptor, rows per batch) of a mask (element_size 1) or bias (2) that a producer loads
-    by TMA in [block_rows, block_cols] boxes: spanning (Sq, Sk), `tiles_by_tma`, seen as
-    (B|1 * Hm * Sq, Sk); None where the consumers load it themselves (its broadcast forms are a
-    row or a column per tile; wider elements' buffers would not fit in shared memory)."""
-    if elementwise is None or not elementwise.spans_queries_and_keys:
-        return None
-    t = elementwise.tensor
-    if t.element_size() != element_size or not tiles_by_tma(t):
-        return None
-    rows = t.view(-1, t.shape[-1])
-    block = (block_rows, block_cols)
-    dtype = torch.uint8 if element_size == 1 else t.dtype  # bool masks: bytes
-    desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
-                             _shared_layout(block, dtype))
-    return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
-
-
-def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                *tensors: torch.Tensor) -> bool:
-    """Whether 2-d descriptors serve: the lengths fill whole tiles and every tensor's rows are
-    packed (B, S, H, D)."""
-    return seqlen_q % block_m == 0 and seqlen_k % block_n == 0 \
-        and all(flat_rows(t) for t in tensors)
-
-
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
                    out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None = None,
                    mask: Elementwise | None = None, bias: Elementwise | None = None,
@@ -935,10 +685,10 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     unused = Elementwise.placeholder_operands(q.device)
     mask_tma = by_tma(mask, block_m, cfg.block_n, 1) if cfg.mask_buffers else None
     bias_tma = by_tma(bias, block_m, cfg.block_n, 2)
-    q_desc = _descriptor(q, block_m, flat)
+    q_desc = descriptor(q, block_m, flat)
     launch(_fwd_hopper_kernel, (n_tiles_m, batch * num_heads),
-        q_desc, _descriptor(k, cfg.block_n, flat),
-        _descriptor(v, cfg.block_n, flat), _descriptor(out, block_m, flat), lse,
+        q_desc, descriptor(k, cfg.block_n, flat),
+        descriptor(v, cfg.block_n, flat), descriptor(out, block_m, flat), lse,
         *lse_strides(lse), *lists,
         *(mask.operands() if mask is not None else unused),
         *(mask_tma if mask_tma is not None else (q_desc, 0)),
