@@ -6,7 +6,16 @@ import pytest
 import torch
 
 import omniattn
-from omniattn import bench
+from omniattn import api, bench, plan
+from omniattn.bench import plot, report, timing
+from omniattn.bench.pairs import (block_mask_pairs, computed_pairs, element_mask_pairs,
+                                  row_lengths_pairs, visible_pairs, workload_pairs)
+from omniattn.bench.providers import (BuiltAttention, forward_plan, provider_builders,
+                                      providers_for)
+from omniattn.bench.workloads import (DOCUMENTS, DYNAMIC_BIASES, ROW_LENGTHS, SPARSE_DENSITIES,
+                                      ExtraInputs, make_inputs, workload_block_mask,
+                                      workload_documents, workload_row_lengths)
+from omniattn.kernels import configs, fwd_hopper
 from omniattn.predicate import RelativePredicate
 
 
@@ -14,6 +23,36 @@ from omniattn.predicate import RelativePredicate
 def reference_path(monkeypatch):
     """omniattn on CPU runs the PyTorch reference (conftest turns the slow interpreter on)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def plan_as_gpu(monkeypatch):
+    """plan_as(hopper): omniattn plans CPU tensors from then on as on a GPU, with the GPU's tile
+    configs (not the interpreter's), the Gluon kernels on (hopper, an sm90 GPU, as
+    tests/test_plan.py's `hopper` fixture) or refused (another GPU). Plans only: nothing can
+    run on the CPU after it."""
+    device_refusal = fwd_hopper.device_refusal
+
+    def plan_as(hopper: bool):
+        monkeypatch.setattr(fwd_hopper, "device_refusal",
+                            (lambda device: None) if hopper else device_refusal)
+        monkeypatch.setattr(configs, "interpreting", lambda: False)
+        monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
+        monkeypatch.setattr(api, "uses_kernels", lambda q: True)
+
+    return plan_as
+
+
+def _forward_plan(workload, extra):
+    """omniattn's forward plan for the workload, on q / k / v of its shapes (planning reads no
+    values: left uninitialised, cheap at GPU sizes)."""
+    def empty(seqlen, heads):
+        return torch.empty((workload.batch, seqlen, heads, workload.head_dim),
+                           dtype=workload.dtype)
+
+    return forward_plan(workload, extra, empty(workload.seqlen_q, workload.heads),
+                        empty(workload.seqlen_k, workload.heads_k),
+                        empty(workload.seqlen_k, workload.heads_k))
 
 
 def _tiny(name, causal=False, density=None):
@@ -45,10 +84,10 @@ def _tiny_varlen(name, documents, causal=False):
 
 def _assert_providers_agree(workload, extra):
     """omniattn and SDPA math give the same output and q / k / v gradients on the CPU."""
-    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    q, k, v, dout = make_inputs(workload, torch.device("cpu"), requires_grad=True)
     results = []
     for provider in ("omniattn", "sdpa-math"):
-        out = bench._providers()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
+        out = provider_builders()[provider](workload, torch.device("cpu"), extra).fn(q, k, v)
         results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
     for ours, sdpa in zip(*results):
         torch.testing.assert_close(ours, sdpa)
@@ -66,7 +105,7 @@ def test_block_mask_pairs_match_brute_force(seq_lengths):
     generator = torch.Generator().manual_seed(1)
     blocks = torch.rand((1, 1, -(-seqlen_q // 16), -(-seqlen_k // 16)), generator=generator) < 0.4
     mask = omniattn.block_mask_from_blocks(blocks, 16, seq_lengths=seq_lengths)
-    assert bench.block_mask_pairs(mask) == _brute_force_pairs(blocks, 16, seqlen_q, seqlen_k)
+    assert block_mask_pairs(mask) == _brute_force_pairs(blocks, 16, seqlen_q, seqlen_k)
 
 
 def _brute_force_element_pairs(keep: torch.Tensor, causal: bool, block_m: int, block_n: int):
@@ -95,7 +134,7 @@ def test_element_mask_pairs_match_brute_force(seq_lengths, causal):
     generator = torch.Generator().manual_seed(2)
     # sparse enough that some tiles hold no kept element
     keep = torch.rand((2, 2, seqlen_q, seqlen_k), generator=generator) < 0.004
-    counts = bench.element_mask_pairs(keep, causal, 16, 32)
+    counts = element_mask_pairs(keep, causal, 16, 32)
     assert counts == pytest.approx(_brute_force_element_pairs(keep, causal, 16, 32))
     assert 0 < counts[2] < 1
 
@@ -121,7 +160,7 @@ def test_row_lengths_pairs_match_brute_force(seq_lengths, tile, grouped):
     lens = (torch.rand((2, seqlen_q), generator=generator) ** 3 * (seqlen_k + 1)).to(torch.int32)
     lens[1, :16] = 0  # a query tile that sees no key (the whole tile for 16-row tiles)
     lens[0, 0], lens[1, -1] = 0, seqlen_k  # the ends of the range
-    counts = bench.row_lengths_pairs(lens, seqlen_k, *tile, grouped=grouped)
+    counts = row_lengths_pairs(lens, seqlen_k, *tile, grouped=grouped)
     tiled = lens.sort(dim=-1, descending=True).values if grouped else lens
     assert counts == pytest.approx(_brute_force_element_pairs(_length_mask(tiled, seqlen_k),
                                                               False, *tile))
@@ -132,80 +171,89 @@ def test_row_lengths_pairs_match_brute_force(seq_lengths, tile, grouped):
 def test_row_lengths_pairs_clip_to_seqlen_k():
     """Lengths past Sk count as Sk (as omniattn clamps them)."""
     lens = torch.tensor([[100, 3, 40]], dtype=torch.int32)
-    assert bench.row_lengths_pairs(lens, 40, 16, 16) == pytest.approx(
+    assert row_lengths_pairs(lens, 40, 16, 16) == pytest.approx(
         _brute_force_element_pairs(_length_mask(lens.clamp(max=40), 40), False, 16, 16))
 
 
-def test_rows_workload_inputs_and_flops(reference_path):
+def test_rows_workload_inputs_and_flops(reference_path, plan_as_gpu):
+    """The reference path (no tiles) counts the visible pairs; the kernels count the pairs of
+    the tiles their forward visits, rows tiled longest first."""
     uniform, progressive = _tiny_rows("uniform", "uniform"), _tiny_rows("progressive",
                                                                         "progressive")
-    lens = bench.ExtraInputs(uniform, "cpu").row_lens
+    lens = ExtraInputs(uniform, "cpu").row_lens
     assert lens.shape == (2, 64) and lens.dtype == torch.int32
     assert 1 <= lens.min() and lens.max() <= 64
-    assert torch.equal(lens, bench.workload_row_lengths(uniform, "cpu"))  # seeded
-    assert bench.workload_row_lengths(progressive, "cpu").tolist() == [list(range(1, 65))] * 2
-    extra = bench.ExtraInputs(progressive, "cpu")
+    assert torch.equal(lens, workload_row_lengths(uniform, "cpu"))  # seeded
+    assert workload_row_lengths(progressive, "cpu").tolist() == [list(range(1, 65))] * 2
+    extra = ExtraInputs(progressive, "cpu")
     assert extra.block_mask is None and extra.keep is None and extra.bias is None
     assert extra.learnable == ()
     assert torch.equal(extra.sdpa_row_mask, _length_mask(extra.row_lens, 64))
     [row] = bench.run_suite([progressive], providers=["omniattn"], modes=("fwd",),
                             progress=False, device="cpu")
-    tile = bench.forward_config(16, torch.float32)
-    pairs, exact, fraction = _brute_force_element_pairs(_length_mask(extra.row_lens, 64), False,
-                                                        tile.block_m, tile.block_n)
     assert row["row_lengths"] == "progressive"
-    assert row["flops"] == pytest.approx(4 * 2 * 2 * 16 * pairs)
-    # lengths i + 1: the causal triangle
-    assert row["flops_exact"] == 4 * 2 * 2 * 16 * bench.visible_pairs(64, 64, causal=True)
-    assert exact == bench.visible_pairs(64, 64, causal=True)
-    assert row["active_tile_fraction"] == pytest.approx(fraction)
+    triangle = visible_pairs(64, 64, causal=True)  # lengths i + 1
+    assert row["flops"] == row["flops_exact"] == 4 * 2 * 2 * 16 * triangle
+    assert row["active_tile_fraction"] == triangle / 64 ** 2
+
+    plan_as_gpu(hopper=False)
+    tile = configs.forward_config(16, torch.float32)
+    assert _forward_plan(progressive, extra).tiles == (tile.block_m, tile.block_n)
+    longest_first = extra.row_lens.sort(dim=-1, descending=True).values
+    counts = workload_pairs(progressive, extra, (tile.block_m, tile.block_n))
+    assert counts == pytest.approx(_brute_force_element_pairs(
+        _length_mask(longest_first, 64), False, tile.block_m, tile.block_n))
+    assert counts[1] == triangle
 
 
-def test_rows_active_fraction_is_on_the_dense_gpu_tiles(monkeypatch):
+@pytest.mark.parametrize("hopper", [False, True], ids=["gpu", "hopper"])
+def test_rows_active_fraction_is_on_the_dense_gpu_tiles(plan_as_gpu, hopper):
     """The acceptance scales the dense time by the fraction of 128 x 128 tiles: the tiles the
     GPU forward kernel runs for D128 bf16 with lengths alone (no causal), as for dense."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    tile = bench.forward_config(128, torch.bfloat16, masked=False)
-    assert (tile.block_m, tile.block_n) == (128, 128)
+    plan_as_gpu(hopper)
     workload = bench.default_workloads("cuda", "rows")[2]
-    lens = bench.workload_row_lengths(workload, "cpu")
+    extra = ExtraInputs(workload, "cpu")
+    planned = _forward_plan(workload, extra)
+    assert planned.kernel == ("fwd_hopper" if hopper else "fwd")
+    assert planned.tiles == (128, 128)
     # progressive lengths at 8k: query tile m visits key tiles 0..m of 64
-    assert bench.row_lengths_pairs(lens, 8192, 128, 128)[2] == pytest.approx(65 / 128)
+    assert workload_pairs(workload, extra, planned.tiles)[2] == pytest.approx(65 / 128)
 
 
-def test_pairs_follow_the_gluon_forward_tiles(monkeypatch):
-    """Where the Gluon forward takes a workload, its computed pairs are counted on that kernel's
-    tiles: 192 x 128 for a plain D64 call, 128 x 128 for packed D128 documents (not plain);
-    elsewhere on the Triton forward's."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_pairs_on_the_kernels_tiles(plan_as_gpu):
+    """Computed pairs are counted on the tiles omniattn plans for the workload's forward: on
+    Hopper the Gluon forward's, 192 x 128 for a plain D64 call, 128 x 128 for packed D128
+    documents (not plain); on another GPU the Triton forward's."""
     d64 = next(w for w in bench.default_workloads("cuda", "headdim")
                if w.head_dim == 64 and w.causal)
     documents = next(w for w in bench.default_workloads("cuda", "varlen")
                      if w.head_dim == 128 and w.causal)
-    for workload, gluon_tile in ((d64, (192, 128)), (documents, (128, 128))):
-        extra = bench.ExtraInputs(workload, "cpu")
+    for workload, gluon_tiles in ((d64, (192, 128)), (documents, (128, 128))):
+        extra = ExtraInputs(workload, "cpu")
         lengths = [workload.seqlen_q] if extra.cu_seqlens is None \
             else extra.cu_seqlens.diff().tolist()
-        triton_tile = bench.forward_config(workload.head_dim, workload.dtype, masked=True)
-        for gluon, (block_m, block_n) in ((False, (triton_tile.block_m, triton_tile.block_n)),
-                                          (True, gluon_tile)):
-            monkeypatch.setattr(bench, "gluon_refusal",
-                                lambda *args, **kwargs: None if gluon else "refused")
-            pairs, exact, _ = bench._pairs(workload, extra)
-            assert pairs == sum(bench.computed_pairs(n, n, True, block_m, block_n)
-                                for n in lengths), (workload.name, gluon)
-            assert exact == sum(bench.visible_pairs(n, n, True) for n in lengths)
+        for hopper in (False, True):
+            plan_as_gpu(hopper)
+            triton_tile = configs.forward_config(workload.head_dim, workload.dtype, masked=True)
+            tiles = gluon_tiles if hopper else (triton_tile.block_m, triton_tile.block_n)
+            planned = _forward_plan(workload, extra)
+            assert planned.kernel == ("fwd_hopper" if hopper else "fwd"), workload.name
+            assert planned.tiles == tiles, (workload.name, hopper)
+            pairs, exact, _ = workload_pairs(workload, extra, planned.tiles)
+            assert pairs == sum(computed_pairs(n, n, True, *tiles) for n in lengths)
+            assert exact == sum(visible_pairs(n, n, True) for n in lengths)
+            assert pairs > exact  # the diagonal tiles' hidden pairs
 
 
 def test_rows_providers_agree(reference_path):
     """omniattn (seqlens_k_per_row) and SDPA math (bool mask) compute the same output and
     gradients."""
     workload = _tiny_rows("rows", "uniform")
-    extra = bench.ExtraInputs(workload, "cpu")
-    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    extra = ExtraInputs(workload, "cpu")
+    q, k, v, dout = make_inputs(workload, torch.device("cpu"), requires_grad=True)
     results = []
     for provider in ("omniattn", "sdpa-math"):
-        built = bench._providers()[provider](workload, torch.device("cpu"), extra)
+        built = provider_builders()[provider](workload, torch.device("cpu"), extra)
         assert built.learnable == ()
         out = built.fn(q, k, v)
         results.append([out, *torch.autograd.grad(out, (q, k, v), dout)])
@@ -225,7 +273,7 @@ def test_window_pairs_match_brute_force(seq_lengths, causal, window):
     visible = RelativePredicate.make(window=window).holds(rows, keys, seqlen_q, seqlen_k)
     if causal:
         visible &= keys <= rows + seqlen_k - seqlen_q
-    assert bench.visible_pairs(seqlen_q, seqlen_k, causal, window) == visible.sum().item()
+    assert visible_pairs(seqlen_q, seqlen_k, causal, window) == visible.sum().item()
     pairs = 0
     for start in range(0, seqlen_q, 16):
         seen = visible[start:start + 16].any(0).nonzero()
@@ -233,36 +281,37 @@ def test_window_pairs_match_brute_force(seq_lengths, causal, window):
             first = seen.min().item() // 32 * 32
             end = min(-(-(seen.max().item() + 1) // 32) * 32, seqlen_k)
             pairs += min(16, seqlen_q - start) * (end - first)
-    assert bench.computed_pairs(seqlen_q, seqlen_k, causal, 16, 32, window) == pairs
+    assert computed_pairs(seqlen_q, seqlen_k, causal, 16, 32, window) == pairs
 
 
 def test_window_providers_agree(reference_path):
     """omniattn (window=) and SDPA math (its bool mask) compute the same output and gradients;
     the workload's flops count the band."""
     workload = _tiny_window("window", (9, 4))
-    extra = bench.ExtraInputs(workload, "cpu")
+    extra = ExtraInputs(workload, "cpu")
     assert extra.sdpa_window_mask.shape == (1, 1, 64, 64)
-    assert extra.sdpa_window_mask.sum().item() == bench.visible_pairs(64, 64, False, (9, 4))
+    assert extra.sdpa_window_mask.sum().item() == visible_pairs(64, 64, False, (9, 4))
     _assert_providers_agree(workload, extra)
     row = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
                           device="cpu")[0]
     assert row["window"] == (9, 4)
-    assert row["flops_exact"] == 4 * 2 * 16 * bench.visible_pairs(64, 64, False, (9, 4))
+    assert row["flops_exact"] == 4 * 2 * 16 * visible_pairs(64, 64, False, (9, 4))
     assert "window<left>-<right>" in bench.format_table([row])
     assert "window (9, 4)" in bench.format_table([row])
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_workload_inputs_flops_and_providers(reference_path, causal):
+def test_varlen_workload_inputs_flops_and_providers(reference_path, plan_as_gpu, causal):
     """The documents fill the batch within their length range; flops count each document's own
-    tiles; omniattn (cu_seqlens) and SDPA math (the document mask) agree, gradients too."""
+    visible pairs on the reference path, its own tiles on the kernels; omniattn (cu_seqlens) and
+    SDPA math (the document mask) agree, gradients too."""
     workload = _tiny_varlen("docs", "short", causal)
-    offsets = bench.workload_documents(workload)
+    offsets = workload_documents(workload)
     lengths = offsets.diff()
     assert offsets[0] == 0 and offsets[-1] == 64 and offsets.dtype == torch.int32
     assert len(lengths) > 2 and lengths.min() >= 1 and lengths[:-1].max() <= 4  # 64 / 16
-    assert torch.equal(offsets, bench.workload_documents(workload))  # seeded
-    extra = bench.ExtraInputs(workload, "cpu")
+    assert torch.equal(offsets, workload_documents(workload))  # seeded
+    extra = ExtraInputs(workload, "cpu")
     assert extra.max_document == lengths.max()
     mask = extra.sdpa_document_mask[0, 0]
     starts = offsets[:-1].tolist()
@@ -270,18 +319,23 @@ def test_varlen_workload_inputs_flops_and_providers(reference_path, causal):
         block = mask[first:first + length, first:first + length]
         whole = torch.ones_like(block)
         assert torch.equal(block, whole.tril() if causal else whole)
-    assert mask.sum() == sum(bench.visible_pairs(n, n, causal) for n in lengths.tolist())
+    assert mask.sum() == sum(visible_pairs(n, n, causal) for n in lengths.tolist())
     _assert_providers_agree(workload, extra)
     [row] = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
                             device="cpu")
-    tile = bench.forward_config(16, torch.float32, masked=causal)
-    assert row["flops"] == 4 * 2 * 16 * sum(
-        bench.computed_pairs(n, n, causal, tile.block_m, tile.block_n) for n in lengths.tolist())
-    assert row["flops_exact"] == 4 * 2 * 16 * mask.sum().item()
+    assert row["flops"] == row["flops_exact"] == 4 * 2 * 16 * mask.sum().item()
     assert "docs-<lengths>" in bench.format_table([row])
     assert f"docs short{' causal' if causal else ''} " in bench.format_table([row])
-    assert bench._providers_for(workload, bench.PROVIDERS) == (
+    assert providers_for(workload, bench.PROVIDERS) == (
         "omniattn", "sdpa-efficient", "sdpa-math", "flex")
+
+    plan_as_gpu(hopper=False)
+    tile = configs.forward_config(16, torch.float32, masked=causal)
+    assert _forward_plan(workload, extra).tiles == (tile.block_m, tile.block_n)
+    pairs, exact, _ = workload_pairs(workload, extra, (tile.block_m, tile.block_n))
+    assert pairs == sum(computed_pairs(n, n, causal, tile.block_m, tile.block_n)
+                        for n in lengths.tolist())
+    assert exact == mask.sum().item()
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -298,39 +352,45 @@ def test_varlen_workload_validation(fields, match):
 
 def test_rows_workloads_skip_sdpa_flash_and_cudnn(reference_path):
     workload = _tiny_rows("rows", "progressive")
-    assert bench._providers_for(workload, bench.PROVIDERS) == (
+    assert providers_for(workload, bench.PROVIDERS) == (
         "omniattn", "sdpa-efficient", "sdpa-math", "flex")
 
 
-def test_dynamic_workload_inputs_and_flops(reference_path):
+def test_dynamic_workload_inputs_and_flops(reference_path, plan_as_gpu):
+    """The reference path (no tiles) counts the kept pairs; the kernels count the pairs of the
+    tiles holding a kept one."""
     workload = _tiny_dynamic("dyn", "key")
-    extra = bench.ExtraInputs(workload, "cpu")
+    extra = ExtraInputs(workload, "cpu")
     assert extra.block_mask is None
     assert extra.keep.shape == (1, 2, 64, 64) and extra.keep.dtype == torch.bool
     # each row keeps its 16 keys of largest score among the causal ones (all of them before)
     assert extra.keep.sum(-1).tolist() == [[[min(i + 1, 16) for i in range(64)]] * 2]
     assert not extra.keep.triu(1).any()
     assert extra.bias.shape == (1, 2, 1, 64) and extra.bias.requires_grad
-    assert bench.ExtraInputs(_tiny_dynamic("dyn", "full"), "cpu").bias.shape == (1, 2, 64, 64)
+    assert ExtraInputs(_tiny_dynamic("dyn", "full"), "cpu").bias.shape == (1, 2, 64, 64)
     [row] = bench.run_suite([workload], providers=["omniattn"], modes=("fwd",), progress=False,
                             device="cpu")
-    tile = bench.forward_config(16, torch.float32, masked=True, elementwise=True)
-    pairs, exact, fraction = _brute_force_element_pairs(extra.keep, True, tile.block_m,
-                                                        tile.block_n)
-    assert row["flops"] == pytest.approx(4 * 1 * 2 * 16 * pairs)
-    assert row["flops_exact"] == 4 * 1 * 2 * 16 * extra.keep.sum().item() / 2
-    assert row["active_tile_fraction"] == pytest.approx(fraction)
+    assert row["flops"] == row["flops_exact"] == 4 * 1 * 2 * 16 * extra.keep.sum().item() / 2
+    assert row["active_tile_fraction"] == extra.keep.sum().item() / (2 * 64 * 64)
+
+    plan_as_gpu(hopper=False)
+    tile = configs.forward_config(16, torch.float32, masked=True, elementwise=True)
+    assert _forward_plan(workload, extra).tiles == (tile.block_m, tile.block_n)
+    counts = workload_pairs(workload, extra, (tile.block_m, tile.block_n))
+    assert counts == pytest.approx(_brute_force_element_pairs(extra.keep, True, tile.block_m,
+                                                              tile.block_n))
+    assert counts[0] > counts[1]
 
 
 @pytest.mark.parametrize("bias", ["full", "key"])
 def test_dynamic_providers_agree(reference_path, bias):
     """omniattn and SDPA math (one float mask) compute the same output and bias gradient."""
     workload = _tiny_dynamic("dyn", bias)
-    extra = bench.ExtraInputs(workload, "cpu")
-    q, k, v, dout = bench._make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    extra = ExtraInputs(workload, "cpu")
+    q, k, v, dout = make_inputs(workload, torch.device("cpu"), requires_grad=True)
     results = []
     for provider in ("omniattn", "sdpa-math"):
-        built = bench._providers()[provider](workload, torch.device("cpu"), extra)
+        built = provider_builders()[provider](workload, torch.device("cpu"), extra)
         out = built.fn(q, k, v)
         *grads, dbias = torch.autograd.grad(out, (q, k, v, *built.learnable), dout)
         # SDPA's gradient is that of its (B, H, Sq, Sk) mask: sum it to the bias's shape
@@ -341,7 +401,7 @@ def test_dynamic_providers_agree(reference_path, bias):
 
 def test_dynamic_workloads_skip_sdpa_flash_and_cudnn(reference_path):
     workload = _tiny_dynamic("dyn", "key")
-    assert bench._providers_for(workload, bench.PROVIDERS) == (
+    assert providers_for(workload, bench.PROVIDERS) == (
         "omniattn", "sdpa-efficient", "sdpa-math", "flex")
     rows = bench.run_suite([workload], providers=["omniattn", "sdpa-cudnn", "sdpa-flash",
                                                   "sdpa-math"],
@@ -351,7 +411,7 @@ def test_dynamic_workloads_skip_sdpa_flash_and_cudnn(reference_path):
 
 def test_sparse_workload_mask_density_and_flops(reference_path):
     workload = _tiny("sparse", density=0.5)
-    mask = bench.workload_block_mask(workload, "cpu")
+    mask = workload_block_mask(workload, "cpu")
     assert mask.density == 0.5
     pairs = _brute_force_pairs(mask.states != 0, 16, 64, 64)
     assert pairs == 64 * 64 // 2
@@ -359,12 +419,12 @@ def test_sparse_workload_mask_density_and_flops(reference_path):
                             device="cpu")
     assert row["flops"] == row["flops_exact"] == 4 * 1 * 2 * 16 * pairs
     # every block listed: the dense count
-    full = bench.workload_block_mask(_tiny("full", density=1.0), "cpu")
-    assert bench.block_mask_pairs(full) == bench.visible_pairs(64, 64, causal=False)
+    full = workload_block_mask(_tiny("full", density=1.0), "cpu")
+    assert block_mask_pairs(full) == visible_pairs(64, 64, causal=False)
 
 
 def test_sparse_masks_are_nested_across_densities():
-    masks = [bench.workload_block_mask(_tiny(f"d{d}", density=d), "cpu").states
+    masks = [workload_block_mask(_tiny(f"d{d}", density=d), "cpu").states
              for d in (0.25, 0.5, 1.0)]
     for sparser, denser in zip(masks, masks[1:]):
         assert not ((sparser != 0) & (denser == 0)).any()
@@ -420,33 +480,33 @@ def test_every_suite_constructs(device):
     assert len(names) == len(set(names))
     assert bench.default_workloads(device) == suites["core"]
     assert len({w.batch * w.seqlen_q for w in suites["seqlen"]}) == 1
-    assert len({w.seqlen_q for w in suites["seqlen"]}) >= bench.MIN_SEQLEN_SERIES
+    assert len({w.seqlen_q for w in suites["seqlen"]}) >= plot.MIN_SEQLEN_SERIES
     assert [w.causal for w in suites["seqlen"]] == [False, True] * (len(suites["seqlen"]) // 2)
-    assert [w.density for w in suites["sparse"]] == list(bench.SPARSE_DENSITIES)
+    assert [w.density for w in suites["sparse"]] == list(SPARSE_DENSITIES)
     assert all(w.heads != w.heads_k and w.causal for w in suites["gqa"])
     assert {w.head_dim for w in suites["headdim"]} == {64, 256}
-    assert [w.bias for w in suites["dynamic"]] == list(bench.DYNAMIC_BIASES)
+    assert [w.bias for w in suites["dynamic"]] == list(DYNAMIC_BIASES)
     assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
-    assert [w.row_lengths for w in suites["rows"]] == [None, *bench.ROW_LENGTHS]
+    assert [w.row_lengths for w in suites["rows"]] == [None, *ROW_LENGTHS]
     assert all(w.window is not None and not w.causal for w in suites["window"])
     head_dims = (128, 256) if device == "cuda" else (64,)
     assert [(w.head_dim, w.documents, w.causal) for w in suites["varlen"]] == [
-        (head_dim, documents, causal) for head_dim in head_dims for documents in bench.DOCUMENTS
+        (head_dim, documents, causal) for head_dim in head_dims for documents in DOCUMENTS
         for causal in (False, True)]
     assert len({(w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.head_dim, w.dtype, w.causal)
                 for w in suites["rows"]}) == 1  # the dense reference has the lengths' shape
     if device == "cpu":  # masks build here only on the CPU
         for workload in suites["sparse"]:
-            mask = bench.workload_block_mask(workload, device)
+            mask = workload_block_mask(workload, device)
             assert mask.seq_lengths == (workload.seqlen_q, workload.seqlen_k)
             assert mask.density == pytest.approx(workload.density, abs=0.01)
         for workload in suites["dynamic"]:
-            extra = bench.ExtraInputs(workload, device)
+            extra = ExtraInputs(workload, device)
             shape = (workload.batch, workload.heads, workload.seqlen_q, workload.seqlen_k)
             assert extra.keep.shape == shape
             assert extra.bias.dtype == workload.dtype and extra.bias.requires_grad
         for workload in suites["rows"][1:]:
-            lens = bench.ExtraInputs(workload, device).row_lens
+            lens = ExtraInputs(workload, device).row_lens
             assert lens.shape == (workload.batch, workload.seqlen_q)
             assert lens.dtype == torch.int32
             assert 1 <= lens.min() and lens.max() <= workload.seqlen_k
@@ -570,7 +630,7 @@ def test_cpu_table_labels_rows_and_says_smoke_test(tiny_results):
     assert "run on a GPU for that" in lines[0]
     fewest = min(r["timed_runs"] for r in tiny_results)  # the tiny calls run past the minimum
     assert lines[1] == (f"ms: median CPU time per call over >= {fewest} timed calls "
-                        f"per row, after {bench.CPU_WARMUP_RUNS} untimed warm-up calls; CPU "
+                        f"per row, after {timing.CPU_WARMUP_RUNS} untimed warm-up calls; CPU "
                         f"threads 1; clock time.process_time")
     header = lines[3].split()
     assert header[:9] == ["workload", "B", "Sq", "Sk", "H/Hk", "D", "dtype", "mask", "mode"]
@@ -587,18 +647,18 @@ def test_cpu_table_labels_rows_and_says_smoke_test(tiny_results):
 def test_cpu_records_carry_warmup_and_median_counts(tiny_results):
     """Each CPU record says its time is the median over at least CPU_MIN_RUNS timed calls,
     after CPU_WARMUP_RUNS untimed ones, on one thread."""
-    assert bench.CPU_WARMUP_RUNS >= 1 and bench.CPU_MIN_RUNS >= 10
+    assert timing.CPU_WARMUP_RUNS >= 1 and timing.CPU_MIN_RUNS >= 10
     for r in tiny_results:
         assert r["timer"] == "time.process_time" and r["threads"] == 1
-        assert r["warmup_runs"] == bench.CPU_WARMUP_RUNS
-        assert r["timed_runs"] >= bench.CPU_MIN_RUNS
+        assert r["warmup_runs"] == timing.CPU_WARMUP_RUNS
+        assert r["timed_runs"] >= timing.CPU_MIN_RUNS
 
 
 def _scripted_clock(monkeypatch, durations):
     """bench's CPU clock advanced only by a step that takes the next of `durations` (seconds)
     per call; returns the step and the thread counts it ran under."""
     now, remaining, threads = [0.0], iter(durations), []
-    monkeypatch.setattr(bench, "process_time", lambda: now[0])
+    monkeypatch.setattr(timing, "process_time", lambda: now[0])
 
     def step():
         threads.append(torch.get_num_threads())
@@ -610,26 +670,26 @@ def _scripted_clock(monkeypatch, durations):
 def test_time_cpu_reports_the_median_after_warmup(monkeypatch):
     """The warm-up calls are not timed; the time is the median of the timed calls (not their
     mean nor minimum), on CPU_TIMING_THREADS threads, the thread count restored after."""
-    monkeypatch.setattr(bench, "CPU_WARMUP_RUNS", 3)
-    monkeypatch.setattr(bench, "CPU_MIN_RUNS", 20)
-    monkeypatch.setattr(bench, "CPU_MIN_TIME_S", 0.1)
+    monkeypatch.setattr(timing, "CPU_WARMUP_RUNS", 3)
+    monkeypatch.setattr(timing, "CPU_MIN_RUNS", 20)
+    monkeypatch.setattr(timing, "CPU_MIN_TIME_S", 0.1)
     timed = [0.03, 0.01, 0.02] * 6 + [9.0, 9.0]
     step, threads = _scripted_clock(monkeypatch, [100.0] * 3 + timed)
     before = torch.get_num_threads()
-    timing = bench._time_cpu(step)
-    assert timing == (pytest.approx(20.0), 3, 20)
-    assert threads == [bench.CPU_TIMING_THREADS] * 23
+    measured = timing._time_cpu(step)
+    assert measured == (pytest.approx(20.0), 3, 20)
+    assert threads == [timing.CPU_TIMING_THREADS] * 23
     assert torch.get_num_threads() == before
 
 
 def test_time_cpu_runs_until_the_minimum_time(monkeypatch):
     """Calls shorter than CPU_MIN_TIME_S / CPU_MIN_RUNS are repeated until CPU_MIN_TIME_S."""
-    monkeypatch.setattr(bench, "CPU_MIN_RUNS", 20)
-    monkeypatch.setattr(bench, "CPU_MIN_TIME_S", 0.1)
+    monkeypatch.setattr(timing, "CPU_MIN_RUNS", 20)
+    monkeypatch.setattr(timing, "CPU_MIN_TIME_S", 0.1)
     call = 0.1 / 40.5  # 41 calls reach the minimum time, 40 do not
-    step, _ = _scripted_clock(monkeypatch, [call] * (bench.CPU_WARMUP_RUNS + 100))
-    timing = bench._time_cpu(step)
-    assert timing.timed_runs == 41 and timing.ms == pytest.approx(call * 1e3)
+    step, _ = _scripted_clock(monkeypatch, [call] * (timing.CPU_WARMUP_RUNS + 100))
+    measured = timing._time_cpu(step)
+    assert measured.timed_runs == 41 and measured.ms == pytest.approx(call * 1e3)
 
 
 def test_time_cpu_restores_threads_when_the_step_raises():
@@ -639,7 +699,7 @@ def test_time_cpu_restores_threads_when_the_step_raises():
         raise RuntimeError("backend unavailable")
 
     with pytest.raises(RuntimeError, match="backend unavailable"):
-        bench._time_cpu(failing)
+        timing._time_cpu(failing)
     assert torch.get_num_threads() == before
 
 
@@ -653,15 +713,15 @@ def test_gpu_timing_is_do_bench(monkeypatch):
         fn()
         return 1.5
 
-    monkeypatch.setattr(bench.triton.testing, "do_bench", fake_do_bench)
-    built = bench.BuiltAttention(lambda q, k, v: calls.append("fn") or q)
+    monkeypatch.setattr(timing.triton.testing, "do_bench", fake_do_bench)
+    built = BuiltAttention(lambda q, k, v: calls.append("fn") or q)
     workload = _tiny("tiny-dense")
-    timing = bench._measure(lambda *args: built, workload, None, "fwd", torch.device("cuda"),
-                            (torch.zeros(1),) * 4)
-    assert timing == (1.5, None, None)
+    measured = timing.measure(lambda *args: built, workload, None, "fwd", torch.device("cuda"),
+                              (torch.zeros(1),) * 4)
+    assert measured == (1.5, None, None)
     assert calls == ["fn", "fn"]
     assert benched == [{"warmup": 25, "rep": 100, "return_mode": "median"}]
-    assert bench._timer_fields(torch.device("cuda")) == {"timer": "triton.testing.do_bench",
+    assert timing.timer_fields(torch.device("cuda")) == {"timer": "triton.testing.do_bench",
                                                          "threads": None}
 
 
@@ -694,20 +754,21 @@ def test_plot_draws_time_against_seqlen(tmp_path, monkeypatch, reference_path):
               _tiny_window("tiny-window", (16, 0))]
     results = bench.run_suite(series + others, providers=["omniattn", "sdpa-math"],
                               modes=("fwd",), progress=False, device="cpu")
-    families = bench._seqlen_series_families(results)
-    in_series = {r["name"] for r in results if bench._family(r) in families}
+    families = plot._seqlen_series_families(results)
+    in_series = {r["name"] for r in results if plot._family(r) in families}
     assert in_series == {w.name for w in series}
     drawn = []
-    monkeypatch.setattr(bench, "_plot_time_vs_seqlen",
+    monkeypatch.setattr(plot, "_plot_time_vs_seqlen",
                         lambda ax, rows, mode: drawn.append(("seqlen", [r["name"] for r in rows])))
-    monkeypatch.setattr(bench, "_plot_tflops_bars",
+    monkeypatch.setattr(plot, "_plot_tflops_bars",
                         lambda ax, rows, mode: drawn.append(("bars", [r["name"] for r in rows])))
     bench.plot_results(results, tmp_path / "mocked.png")
     assert [kind for kind, _ in drawn] == ["seqlen", "bars"]
     assert set(drawn[0][1]) == in_series
     assert set(drawn[1][1]) == {w.name for w in others}
     gpu_rows = [dict(r, device="cuda") for r in results]  # a plot of times alone has no FLOPs
-    assert "TFLOP/s" in bench._header(gpu_rows) and "TFLOP/s" not in bench._header(gpu_rows, False)
+    assert "TFLOP/s" in report.results_header(gpu_rows)
+    assert "TFLOP/s" not in report.results_header(gpu_rows, tflops=False)
     monkeypatch.undo()
     path = tmp_path / "record.json"
     bench.write_json(path, results)
@@ -773,7 +834,7 @@ def test_info_and_records_carry_the_switches(monkeypatch, capsys):
     for name in ("OMNIATTN_GLUON", "OMNIATTN_TMA"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMNIATTN_CALL_PLANS", "0")
-    assert bench.environment_info()["switches"] == {
+    assert report.environment_info()["switches"] == {
         "OMNIATTN_GLUON": True, "OMNIATTN_TMA": True, "OMNIATTN_CALL_PLANS": False}
     assert cli.main(["info"]) == 0
     assert "switches: OMNIATTN_GLUON on, OMNIATTN_TMA on, OMNIATTN_CALL_PLANS off" \

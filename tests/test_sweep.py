@@ -183,7 +183,7 @@ def test_a_raising_call_fails_its_config(monkeypatch):
 def test_cli_sweep_end_to_end(monkeypatch, capsys):
     """`check --sweep 2 --seed 0` on the interpreter kernels passes and reports; a failing
     config prints the command that re-runs it alone, and that command runs the same config."""
-    monkeypatch.setattr(sweep, "INTERPRETER_LIMITS", TINY)
+    monkeypatch.setattr(sweep.configs, "INTERPRETER_LIMITS", TINY)  # where limits_for reads it
     assert cli.main(["check", "--sweep", "2", "--seed", "0"]) == 0
     printed = capsys.readouterr().out
     assert "total: 2 configs, 2 passed, 0 failed" in printed

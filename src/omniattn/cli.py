@@ -1,6 +1,6 @@
 """`omniattn` command line: `bench` (speed), `plot` (a PNG of saved records), `check`
 (correctness: fixed cases, or `check --sweep N --seed S [--jobs J]`, a randomized sweep of every
-feature, see omniattn/sweep.py), `info` (environment)."""
+feature, see omniattn/sweep/), `info` (environment)."""
 from __future__ import annotations
 
 import argparse
