@@ -15,7 +15,7 @@ from omniattn.bench.providers import (BuiltAttention, forward_plan, provider_bui
 from omniattn.bench.workloads import (DOCUMENTS, DYNAMIC_BIASES, ROW_LENGTHS, SPARSE_DENSITIES,
                                       ExtraInputs, make_inputs, workload_block_mask,
                                       workload_documents, workload_row_lengths)
-from omniattn.kernels import configs, fwd_hopper
+from omniattn.kernels import configs, gluon_blocks
 from omniattn.predicate import RelativePredicate
 
 
@@ -31,10 +31,10 @@ def plan_as_gpu(monkeypatch):
     configs (not the interpreter's), the Gluon kernels on (hopper, an sm90 GPU, as
     tests/test_plan.py's `hopper` fixture) or refused (another GPU). Plans only: nothing can
     run on the CPU after it."""
-    device_refusal = fwd_hopper.device_refusal
+    device_refusal = gluon_blocks.device_refusal
 
     def plan_as(hopper: bool):
-        monkeypatch.setattr(fwd_hopper, "device_refusal",
+        monkeypatch.setattr(gluon_blocks, "device_refusal",
                             (lambda device: None) if hopper else device_refusal)
         monkeypatch.setattr(configs, "interpreting", lambda: False)
         monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
