@@ -8,7 +8,7 @@ its allocations (empty or zeroed), its launches and the few torch operations a r
 tensor cached outside it. Later calls with the signature replay it: the allocations and
 operations, and each launch with its arguments flattened once (`launch.FlatLaunch`) and the new
 pointers set (H100 host, top-k mask + key bias forward, B1 S512 H2: 134-143 us per call against
-342-392; causal D64 forward 52-62 against 149-162; docs/perf/host-overhead.md). The forward of a call
+342-392; docs/perf/host-overhead.md). The forward of a call
 that records a graph and its backward are planned apart, each inside the autograd Function
 (autograd.py).
 

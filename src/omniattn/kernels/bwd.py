@@ -207,8 +207,8 @@ def _dkdv_tiles(
                     USER_BQ, USER_BK, True)
             p_t = tl.where(visible_t, p_t, 0.0)
         if WITH_DK:
-            # issued before dV's matmul, as before 645c73a (after it: H100 block-sparse 16k
-            # fwd+bwd 16.0-16.2 -> 16.7-16.9 ms at density 1, 2.03 -> 2.06-2.12 at 0.11)
+            # issued before dV's matmul: after it, H100 block-sparse 16k fwd+bwd took 16.72 ms
+            # against 16.00 (docs/perf/backward.md, "The dK/dV loop's matmul order")
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
         if DROPOUT:
             keep_t = dropout_keep(rng_seed, rng_base, rows, offs_n, rng_stride, dropout_p, True)
@@ -719,8 +719,8 @@ def _zero_unlisted_kernel(
 def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: bool,
                    seqlen_q: int, seqlen_k: int) -> None:
     """Zero the tiles of a (B, H, Sq, Sk) dbias buffer that `lists` (the backward pass writing
-    dbias) never visit: half of it under causal (H100, 4k top-k full-bias fwd+bwd: zeroing all
-    of it 0.38 ms, this 0.16; 3.44 -> 3.26 ms)."""
+    dbias) never visit: half of it under causal (H100, 4k top-k full bias: 0.16 ms against 0.38
+    for all of it)."""
     batch, heads = buffer.shape[:2]
     n_rows, n_cols = cdiv(seqlen_q, lists.block_m), cdiv(seqlen_k, lists.block_n)
     if transposed:
@@ -888,7 +888,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dlse = dlse.contiguous()
     # rows in length order: q, dO and lse are copied into it beside delta. An index in the dK/dV
     # programs' inner loop instead (each query tile's rows looked up) cost 30% of the backward
-    # on the H100, and 35% with the indices loaded one iteration ahead
+    # on the H100
     if row_order is not None:
         # the Gluon kernel reads lse / scale in length order from row_stats instead
         q_in_order, dout_in_order = torch.empty_like(q), torch.empty_like(dout)
@@ -965,10 +965,10 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         dv = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
     n_programs = n_tiles_n * kv_split * (2 if cfg.dkdv_apart else 1) + \
         (0 if atomic_dq else group * n_tiles_m)
-    # causal: programs in tile order across heads, longest first (H200 backward kernel: GQA 32/8
-    # 8k 4.91-4.92 -> 4.35-4.36 ms, causal 4k 0.898-0.900 -> 0.857-0.868). Dense keeps each
-    # head's programs together (tile order: 1.63 -> 1.76 ms, fewer programs share K/V in L2).
-    # Grid axis 1 holds at most 65535 programs
+    # causal: programs in tile order across heads, longest first (H200, GQA 32/8 causal 8k
+    # backward kernel 4.35 ms against 4.91). Dense keeps each head's programs together (tile
+    # order 1.76 ms against 1.63: fewer programs share K/V in L2). Grid axis 1 holds at most
+    # 65535 programs
     longest_first = schedule is None and args.later_rows_see_more and n_programs <= 65535
     grid = (batch * num_heads_k, n_programs) if longest_first \
         else (n_programs, batch * num_heads_k)

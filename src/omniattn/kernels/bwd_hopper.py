@@ -189,10 +189,9 @@ def _zero_hidden_tiles(dbias_cols, stride_dbm, stride_dbn, num_part, part_list, 
     """Zeros into this consumer's [BM, BN/2] tiles of a (Sq, Sk) dbias (dbias_cols: the head's
     query 0, the consumer's first key) that the head's steps never visit, so the buffer needs
     no zero fill of its own. Implicit: tiles outside [first, first + num_steps); explicit:
-    those in neither list, both ascending (a merge walk). H100, B2 H16 4k causal, fwd+bwd:
-    issue #4's top-k mask + full bias 2.23 -> 2.19 ms (a 0.163 ms pass over the unlisted tiles
-    gone, the kernel 1.50 -> 1.62: the stores are bandwidth-bound in the programs with few
-    steps), a full bias alone 2.17 -> 2.02 (its 1 GB memset gone, the kernel 1.39 -> 1.57)."""
+    those in neither list, both ascending (a merge walk). H100, B2 H16 4k causal full bias:
+    fwd+bwd 2.02 ms against 2.17 with its 1 GB memset (docs/perf/masks-and-bias.md, "dbias zeros
+    written by the Gluon backward")."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HALF_N, layout=gl.SliceLayout(0, layout))
@@ -254,8 +253,7 @@ def _listed_tiles(rows_smem, buf):
     """Consumer, explicit schedules, once q_ready of buffer buf is waited for: (the step's
     query tile, the head's next one), as the producer wrote them beside the buffer. A
     consumer's own load of the list entry stalled it (the wgmma fence of its next matmul waits
-    for the load). H100, B1 H16 16k, backward kernel ms, consumer loads / this: block mask at
-    density 1 13.07-13.18 / 11.47-11.57, .11 1.56-1.57 / 1.31."""
+    for the load): H100, block mask 16k at density 1, backward kernel 11.47 ms against 13.07."""
     return handed(rows_smem.index(2 * buf)), handed(rows_smem.index(2 * buf + 1))
 
 
@@ -397,7 +395,7 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
             p_t = gl.where(keys[:, None] < row_ends[None, :], p_t, 0.0)
     # P^T rounded (P_ROUNDING: `hopper_backward_p_rounding`) and dS^T are the A operands of dV
     # and dK from registers: through shared memory each took a store, a fence and a warpgroup
-    # barrier per step (H100, backward kernel 6-10% slower, 2026-11-25). dP^T after P^T: S^T and
+    # barrier per step (H100, backward kernel 6-10% slower). dP^T after P^T: S^T and
     # dP^T in flight together, with P^T in fp32, left the consumer short of registers
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout,
                                                  k_width=2)
@@ -902,17 +900,11 @@ def hopper_backward_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and (schedule_tiles is not None or mask is not None or bias is not None):
         return f"masks, biases or lists at head dim {q.shape[-1]} (its Gluon backward splits " \
             f"the head dim and takes none)"
-    # head dim 64 and implicit left windows without GQA (where the fp32 dQ pass, zeroed by the
-    # pre-pass and converted after, weighs most) took bwd.py until P^T and dS^T went into the
-    # wgmmas from registers. H100, bf16, GPU ms of the backward's kernels (profiler, three
-    # rounds, 2026-11-25), Triton / Gluon: D64 B2 H16 4k dense 0.911-0.980 / 0.881-0.939,
-    # causal 0.514-0.518 / 0.491-0.499, GQA 16/4 causal 0.558-0.563 / 0.475-0.476, B1 16k dense
-    # 6.86-7.55 / 6.47-6.86, causal 3.66-3.93 / 3.26-3.48, (1024, 0) B2 8k 0.636-0.685 /
-    # 0.613-0.618; D128 B2 H16 8k (1024, 0) 1.017-1.075 / 0.974-1.033, (512, 512) 1.064-1.107 /
-    # 1.013-1.060, B4 (1024, 0) 2.024-2.120 / 1.973-2.107, B1 16k 1.058-1.106 / 1.012-1.064
-    # block masks too since the consumers take their tiles from the producer: H100, 16k B1 H16,
-    # random block masks, backward kernel ms at density 1 / .5 / .26 / .11 (2026-11-24): Gluon
-    # 11.27-11.29 / 5.67 / 2.99-3.15 / 1.32-1.34, Triton 12.34-12.40 / 6.26-6.59 / 3.25 / 1.50
+    # head dim 64 and implicit left windows without GQA (where the fp32 dQ pass weighs most) take
+    # it since P^T and dS^T enter the wgmmas from registers (H100, D64 dense 4k backward kernels
+    # 0.881 ms against bwd.py's 0.911; docs/perf/backward.md, "The D64 and MHA left-window
+    # backwards on Gluon"), block masks since the consumers take their tiles from the producer
+    # (16k density 1: 11.27 against 12.34; docs/perf/block-sparse.md)
     if schedule_tiles is not None and schedule_tiles != (cfg.block_m, cfg.block_n):
         return f"lists at {schedule_tiles[0]} x {schedule_tiles[1]} tiles, not its " \
             f"{cfg.block_m} x {cfg.block_n}"
@@ -989,9 +981,8 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
                                              v, dout, dq_sum, dk, dv)
     even = packed is None
-    # rows in length order: key tile 0 has the most query tiles, as with causal. H100, B2 H16
-    # 8k, backward kernel ms, program order / longest first (2026-11-24): uniform lengths
-    # 2.900 / 2.823, i + 1 2.902 / 2.839, GQA 16/4 uniform 3.495 / 2.906
+    # rows in length order: key tile 0 has the most query tiles, as with causal (H100, B2 8k GQA
+    # 16/4 uniform lengths, backward kernel 2.906 ms longest first against 3.495)
     longest_first = schedule is None and (args.later_rows_see_more or row_order is not None)
     num_pairs = batch * num_heads_k
     grid, pairs_per_group = key_tile_grid(cdiv(seqlen_k, cfg.block_n), num_pairs, longest_first,
@@ -1003,16 +994,15 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     unused = Elementwise.placeholder_operands(q.device)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared
     # the mask's ring beside a one-column dbias's scratch fits since P^T left shared memory
-    # (216,192 bytes). H100, B2 H16 4k, backward kernel ms, mask loaded by the consumers / by
-    # TMA (3 rounds, 2026-11-25): mask .5 + (B, H, Sq, 1) bias 2.183-2.197 / 1.976-1.986, causal
-    # 1.553-1.565 / 1.135-1.152, GQA 16/4 + (B, 1, Sq, 1) 2.438-2.457 / 2.014-2.024
+    # (216,192 bytes): mask .5 + (B, H, Sq, 1) bias, backward kernel 1.976 ms against 2.183 with
+    # the consumers' loads (H100)
     mask_tma = by_tma(mask, cfg.block_m, half_n, 1)
-    # H100, issue #4's full bias + top-k mask, backward kernel (profiler, 2 rounds): 1.976-1.990
-    # ms with the bias loaded into the S^T layout (1032 B of spills), 1.490-1.512 by TMA (584)
+    # a (Sq, Sk) bias by TMA: issue #4's full bias + top-k mask, backward kernel 1.490 ms against
+    # 1.976 loaded into the S^T layout, which spilled (H100)
     bias_tma = by_tma(bias, cfg.block_m, half_n, 2)
     # a third dS buffer (16 KB) fits beside the mask's ring since P^T left shared memory, but
-    # is slower there (H100, top-k mask + full / key bias, backward kernel 1.585 / 0.814 ms
-    # against 1.442 / 0.808 with two, 2026-11-25); not beside that scratch
+    # is slower there (H100, top-k mask + full bias, backward kernel 1.585 ms against 1.442 with
+    # two); not beside that scratch
     dq_trails = mask_tma is None and not one_column_dbias and hopper_backward_dq_trails(
         head_dim, args.has_left, args.has_right, num_heads // num_heads_k,
         pairs_per_group if longest_first else None,

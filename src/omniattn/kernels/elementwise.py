@@ -168,13 +168,9 @@ def _mask_states_kernel(
                  CHUNK_M)
 
 
-# The pre-pass reads MASK_CHUNK_M rows of MASK_ROW_ELEMENTS keys (neighbouring tiles) per load.
-# H100, B2 H16 4k, 64x64 tiles, kernel ms (profiler) for masks: top-k 1024 causal / 10% random
-# causal / 256-block causal (read whole) / 128-blocks 25% random (read whole). One tile of 32
-# rows at a time, 4 tiles per program (before): 0.078 / 0.074 / 0.191 / 0.213. Now (4 rows,
-# 256 keys, 2 warps): 0.030 / 0.022 / 0.185 / 0.195; 8 rows 0.034 / 0.027 / 0.173 / 0.194;
-# 16-32 rows and 1024-2048 keys slower; query tiles last in the grid 0.042 -> 0.034 (top-k, 8
-# rows); a first chunk of 4-8 rows, then 16-32, slower on all four.
+# The pre-pass reads MASK_CHUNK_M rows of MASK_ROW_ELEMENTS keys (neighbouring tiles) per load
+# (H100, B2 H16 4k top-k mask: 0.030 ms against 0.078 for a 32-row tile at a time;
+# docs/perf/masks-and-bias.md, "The mask pre-pass's reads").
 MASK_CHUNK_M = 4
 MASK_ROW_ELEMENTS = 256
 MASK_NUM_WARPS = 2
@@ -486,10 +482,10 @@ def mask_forward_schedule(mask: Elementwise, fine_tile: tuple[int, int], seqlen_
                           packed: PackedSequences | None = None) -> Schedule:
     """`states_schedule(mask_tile_states(mask, ...), ..., backward=False)` in one launch, for a
     mask spanning (Sq, Sk): the pre-pass programs build the forward's lists as their rows
-    complete. The list builder's launch costs 32 us of host time alone on an H100 host; GPU,
-    B2 H16 4k causal top-k: 35.2-36.7 us against 30.5-30.8 + 3.0. Calls that also build the
-    backward's lists keep two launches: built by the last programs, the dK/dV column lists
-    (which need every row) made one launch 55-66 us against 31 + ~5."""
+    complete: the list builder's launch costs 32 us of host time alone on an H100 host. Calls
+    that also build the backward's lists keep two launches: built by the last programs, the
+    dK/dV column lists (which need every row) made one launch 55-66 us of GPU time against 31 +
+    ~5 (docs/perf/host-overhead.md)."""
     states, grid, operands, flags = _states_launch(mask, seqlen_q, seqlen_k, *fine_tile, args,
                                                    packed)
     batch, mask_heads = states.shape[:2]

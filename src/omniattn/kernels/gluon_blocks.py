@@ -88,10 +88,9 @@ def hand_over(slot, value):
     """Producer (one warp): value into a one-int32 shared-memory slot, stored before the barrier
     arrival that tells the consumers the step's tiles are there (`handed` reads it after that
     wait). A consumer's own load of a list entry stalls it: the wgmma fence of its next matmul
-    waits for the load (`_listed_tiles` in bwd_hopper.py has the backward's numbers). Forward,
-    H100, kernel ms (profiler, 2026-11-24), issue #4's causal top-k mask, B2 H16 4k, key / full
-    bias: consumer loads 0.397-0.402 / 0.433-0.436, handed over 0.390-0.394 / 0.421-0.426;
-    block masks unchanged (their consumers need no key start: no mask, bias or cut keys)."""
+    waits for the load (`_listed_tiles` in bwd_hopper.py has the backward's number). Forward,
+    H100, issue #4's top-k mask + full bias: kernel 0.421 ms handed over against 0.433
+    (docs/perf/forward.md, "The next key tile from the producer")."""
     slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
 
 
@@ -218,7 +217,7 @@ def descriptor(t: torch.Tensor, block_rows: int, flat: bool,
                 block_cols: int | None = None) -> TensorDescriptor:
     """4-d over (B, S, H, D): tiles stop at each sequence's end (TMA fills 0, drops stores);
     flat: 2-d over (B * S, H * D), for launches whose tiles never cross a sequence's end (H100
-    dense 16k 3.47-3.49 ms against 3.82-3.90 through 4-d descriptors, 4k 0.433 / 0.456), or over
+    dense 16k forward 3.47 ms against 3.82 through 4-d descriptors), or over
     packed sequences' (total, H, D) as (total, H * D), whose tiles do (the kernels drop what
     they read of the next sequence and store none of its rows). block_cols: of the head dim
     (all of it by default)."""

@@ -132,11 +132,10 @@ def descriptor_workspace():
 
 
 # rank by counting: B x Sq^2 comparisons in one launch, up to this many; torch's segmented sort
-# (radix passes and a memset) above. H100 GPU time, rank / sort: B2 x 8k 0.030 / 0.061 ms,
-# B8 x 4k 0.031 / 0.028, B2 x 16k 0.100 / 0.061
+# (radix passes and a memset) above (H100, B2 x 8k: rank 0.030 ms, sort 0.061; B2 x 16k: 0.100,
+# 0.061)
 RANK_MAX_PAIRS = 2 ** 27
-# (rows, keys) per step of the rank kernel, warps: B2 x 8k 0.030 ms; (64, 64, 4) 0.037,
-# (128, 128, 8) 0.031, (32, 32, 2) 0.066
+# (rows, keys) per step of the rank kernel, warps: B2 x 8k 0.030 ms; (128, 128, 8) 0.031
 RANK_TILE = (64, 128, 4)
 
 
