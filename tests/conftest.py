@@ -1,7 +1,15 @@
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
+
+# helpers.py lives here, above the layer folders: pytest's default import mode puts only each
+# test file's own folder on sys.path.
+TESTS = str(pathlib.Path(__file__).parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 # Without a GPU the Triton kernels run under the interpreter; this must be set before triton.jit
 # decorates them. omniattn.attention sends CPU tensors to the kernels while it is set.

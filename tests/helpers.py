@@ -1,4 +1,5 @@
-"""Shared test machinery: random inputs, the float64 oracle and the error criterion.
+"""Shared test machinery: random inputs, the float64 oracle and the error criterion, and the
+element-level truth of windows and block masks.
 
 A result passes when its max error against the float64 reference is at most 2x the error of plain
 PyTorch in the same dtype (the reference with upcast=False), plus a small atol.
@@ -9,9 +10,11 @@ import dataclasses
 
 import torch
 
+import omniattn
 from omniattn import plan
 from omniattn.kernels import configs
 from omniattn.kernels.elementwise import Elementwise
+from omniattn.masks.block_mask import FULL, PARTIAL, BlockMask
 from omniattn.reference import attention_reference
 from omniattn.schedules import build_schedule
 
@@ -102,3 +105,46 @@ def check_against_reference(out, lse, grads, q, k, v, dout, **kwargs) -> None:
         for name, got, ref, base in zip(("dq", "dk", "dv", "dbias"), grads, exact[2:], plain[2:]):
             assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
             assert_close(name, got, ref, base, dtype)
+
+
+def expand_blocks(blocks: torch.Tensor, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int):
+    """(b, h, nQ, nK) bool -> (b, h, Sq, Sk) element mask (test-only: tiny shapes)."""
+    return blocks.repeat_interleave(block_m, 2).repeat_interleave(block_n, 3)[..., :seqlen_q, :seqlen_k]
+
+
+def predicate(seqlen_q, seqlen_k, causal, window):
+    """(Sq, Sk) bool: the keys causal / window (left, right) let each query see, with the last
+    query aligned to the last key; -1 leaves a side unbounded."""
+    q_idx = torch.arange(seqlen_q, device=DEVICE)[:, None]
+    k_idx = torch.arange(seqlen_k, device=DEVICE)[None, :]
+    rel = k_idx - q_idx - (seqlen_k - seqlen_q)
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        keep &= rel <= right
+    if left >= 0:
+        keep &= rel >= -left
+    return keep
+
+
+def element_visibility(mask: BlockMask) -> torch.Tensor:
+    """(B|1, H|1, Sq, Sk) bool, expanded in full: test-only, tiny shapes."""
+    seqlen_q, seqlen_k = mask.seq_lengths
+    states = expand_blocks(mask.states, *mask.block_size, seqlen_q, seqlen_k)
+    left, right = mask.predicate.left, mask.predicate.right
+    by_predicate = predicate(seqlen_q, seqlen_k, False, (left, right)).to(states.device)
+    return (states == FULL) | ((states == PARTIAL) & by_predicate)
+
+
+def random_block_mask(batch, heads, seqlen_q, seqlen_k, block_size, density, seed):
+    """A (batch, heads) BlockMask over (Sq, Sk): each block FULL with probability `density`
+    (seeded by `seed`), the others hidden."""
+    block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
+    n_q, n_k = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    blocks = torch.rand(batch, heads, n_q, n_k, generator=torch.Generator().manual_seed(seed))
+    blocks = blocks < density
+    blocks[..., 0, :] = False  # the first query block sees nothing
+    return omniattn.block_mask_from_blocks(blocks.to(DEVICE), (block_q, block_k),
+                                           seq_lengths=(seqlen_q, seqlen_k))

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
-from test_block_mask import random_block_mask
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_block_mask, random_qkv
 from test_mask_bias import (exact_tile_states, nan_poisoned_memory,  # noqa: F401 (autouse fixture)
                             run_and_check)
 

@@ -6,20 +6,11 @@ import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
+from helpers import (DEVICE, GPU, case_id, check_against_reference, element_visibility, predicate,
+                     random_block_mask, random_qkv)
 from omniattn.masks.block_mask import FULL, HIDDEN, PARTIAL, BlockMask, RelativePredicate
-from test_schedule import expand_blocks, predicate
 
 BLOCK_SIZES = [16, 32, 48, (16, 64), (64, 32)]
-
-
-def element_visibility(mask: BlockMask) -> torch.Tensor:
-    """(B|1, H|1, Sq, Sk) bool, expanded in full: test-only, tiny shapes."""
-    seqlen_q, seqlen_k = mask.seq_lengths
-    states = expand_blocks(mask.states, *mask.block_size, seqlen_q, seqlen_k)
-    left, right = mask.predicate.left, mask.predicate.right
-    by_predicate = predicate(seqlen_q, seqlen_k, False, (left, right)).to(states.device)
-    return (states == FULL) | ((states == PARTIAL) & by_predicate)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=str)
@@ -103,16 +94,6 @@ def test_flex_round_trip():
     assert torch.equal(back.states, mask.states)
     causal = omniattn.causal_block_mask(96, 96, 32)
     assert torch.equal(BlockMask.from_flex(causal.to_flex(), causal=True).states, causal.states)
-
-
-def random_block_mask(batch, heads, seqlen_q, seqlen_k, block_size, density, seed):
-    block_q, block_k = (block_size, block_size) if isinstance(block_size, int) else block_size
-    n_q, n_k = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
-    blocks = torch.rand(batch, heads, n_q, n_k, generator=torch.Generator().manual_seed(seed))
-    blocks = blocks < density
-    blocks[..., 0, :] = False  # the first query block sees nothing
-    return omniattn.block_mask_from_blocks(blocks.to(DEVICE), (block_q, block_k),
-                                           seq_lengths=(seqlen_q, seqlen_k))
 
 
 CASES = [

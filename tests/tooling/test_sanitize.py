@@ -15,7 +15,7 @@ import triton
 
 from helpers import GPU
 
-TOOLS = pathlib.Path(__file__).parent.parent / "tools"
+TOOLS = pathlib.Path(__file__).parents[2] / "tools"
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import omniattn
-from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
-                     replace_backward_configs)
-from test_block_mask import element_visibility, random_block_mask
+from helpers import (DEVICE, GPU, case_id, check_against_reference, element_visibility,
+                     random_block_mask, random_qkv, replace_backward_configs)
 
 
 @pytest.fixture(autouse=True)
@@ -454,7 +453,7 @@ def test_mask_schedule_is_sound(monkeypatch, form, causal, window, lengths, one_
                                               mask_tile_states, states_schedule)
     from omniattn.kernels.schedule import KernelArgs
     from omniattn.predicate import blocks_from_lists
-    from test_schedule import predicate
+    from helpers import predicate
 
     (batch, heads, heads_k), (seqlen_q, seqlen_k) = (2, 4, 2), lengths
     generator = torch.Generator().manual_seed(len(form) + causal)

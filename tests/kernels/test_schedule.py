@@ -8,30 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import DEVICE, GPU, case_id, check_against_reference, random_qkv
+from helpers import (DEVICE, GPU, case_id, check_against_reference, expand_blocks, predicate,
+                     random_qkv)
 from omniattn.kernels.schedule import Schedule
 from omniattn.predicate import FULL, HIDDEN, PARTIAL, blocks_from_lists, coarsen_states
 from test_kernels import run_kernels
-
-
-def expand_blocks(blocks: torch.Tensor, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int):
-    """(b, h, nQ, nK) bool -> (b, h, Sq, Sk) element mask (test-only: tiny shapes)."""
-    return blocks.repeat_interleave(block_m, 2).repeat_interleave(block_n, 3)[..., :seqlen_q, :seqlen_k]
-
-
-def predicate(seqlen_q, seqlen_k, causal, window):
-    q_idx = torch.arange(seqlen_q, device=DEVICE)[:, None]
-    k_idx = torch.arange(seqlen_k, device=DEVICE)[None, :]
-    rel = k_idx - q_idx - (seqlen_k - seqlen_q)
-    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE)
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    if right >= 0:
-        keep &= rel <= right
-    if left >= 0:
-        keep &= rel >= -left
-    return keep
 
 
 def random_schedule(sched_b, sched_h, n_m, n_n, density, full_fraction, generator):

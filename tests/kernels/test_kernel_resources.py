@@ -9,7 +9,7 @@ import sys
 import pytest
 import triton
 
-TOOL = pathlib.Path(__file__).parent.parent / "benchmarks" / "kernel_resources.py"
+TOOL = pathlib.Path(__file__).parents[2] / "benchmarks" / "kernel_resources.py"
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 CUOBJDUMP = PTXAS.parent / "cuobjdump"
 
