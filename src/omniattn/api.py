@@ -21,6 +21,7 @@ from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_
 
 DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,9 +78,8 @@ def attention(
             recompute the scores), every gradient is written once in a fixed order,
             bitwise-identical run to run. Otherwise dQ may be summed over key tiles in an fp32
             buffer with atomics (summation order varies by ~1 ulp of fp32): the Gluon backward
-            on Hopper (head dim 128, calls without masks, biases, lengths, varlen or dropout)
-            always, the Triton backward where a tile config asks for it (none of the GPU ones
-            today: kernels/configs.py).
+            on Hopper always, the Triton backward where a tile config asks for it (none of the
+            GPU ones today); `omniattn.explain` says which backward a call takes.
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with

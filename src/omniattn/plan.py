@@ -294,16 +294,13 @@ def backward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
                                           lists.dkdv if lists is not None else None,
                                           form.mask, form.bias, bias_grad, form.packed)
     schedule = _schedule_name(form)
+    head_dim = form.q.shape[-1]
+    gluon = GLUON_BACKWARD_WIDE if hopper_backward_splits_head_dim(head_dim) else GLUON_BACKWARD
     if refusal is None:
-        head_dim = form.q.shape[-1]
         cfg = hopper_backward_config(head_dim)
-        kernel = GLUON_BACKWARD_WIDE if hopper_backward_splits_head_dim(head_dim) \
-            else GLUON_BACKWARD
-        return PassPlan(kernel, schedule, (cfg.block_m, cfg.block_n))
-    candidate = GLUON_BACKWARD_WIDE if hopper_backward_splits_head_dim(form.q.shape[-1]) \
-        else GLUON_BACKWARD
+        return PassPlan(gluon, schedule, (cfg.block_m, cfg.block_n))
     return PassPlan(TRITON_BACKWARD, schedule, _triton_tiles(form, lists, True),
-                    (Refusal(candidate, refusal),))
+                    (Refusal(gluon, refusal),))
 
 
 def _reference_reason(q: torch.Tensor) -> str:
