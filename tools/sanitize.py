@@ -7,11 +7,11 @@ family, each (family, tool) in a process of its own; one verdict line per pair a
 
 Each family is one call of `omniattn.attention` (B1, S 200, H2, D128 bf16 unless it says
 otherwise), forward and backward, synchronised; `minimal` runs tools/racecheck_minimal.py's
-race-free warp-specialised kernels. Every family first runs once without the sanitizer (in
-parallel processes), which fills Triton's cache so the sanitised runs do not compile, and says
-which kernels it launched. Exit status: 1 when memcheck or synccheck report errors, 2 when a
-run gave no verdict (timeout, crash, no sanitizer summary), else 0; racecheck hazards are
-reported, not failed on (docs/sanitizer.md says why).
+race-free warp-specialised kernels, `minimal-VARIANT` one of them alone. Every family first
+runs once without the sanitizer (in parallel processes), which fills Triton's cache so the
+sanitised runs do not compile, and says which kernels it launched. Exit status: 1 when memcheck
+or synccheck report errors, 2 when a run gave no verdict (timeout, crash, no sanitizer
+summary), else 0; racecheck hazards are reported, not failed on (docs/sanitizer.md says why).
 """
 from __future__ import annotations
 
@@ -171,14 +171,29 @@ def _forward_lists():
         raise RuntimeError("out has non-finite values")
 
 
-def _minimal():
+def _minimal(variants: tuple[str, ...] | None = None):
+    """tools/racecheck_minimal.py's variants (all by default), each launched and checked."""
     sys.path.insert(0, str(SCRIPT.parent))
     import racecheck_minimal
 
     if not racecheck_minimal.runs_here():
         raise Skip("the minimal kernels run on sm90 only")
-    for variant in racecheck_minimal.VARIANTS:
+    for variant in variants or racecheck_minimal.VARIANTS:
         racecheck_minimal.run(variant)
+
+
+# tools/racecheck_minimal.py's variants and kernels (that module imports torch and triton)
+MINIMAL_KERNELS = {"bare": "_ws_bare_kernel", "wide": "_ws_wide_kernel",
+                   "captures": "_ws_captures_kernel", "tma": "_ws_tma_kernel",
+                   "regs": "_ws_regs_kernel", "ring": "_ws_ring_kernel",
+                   "ring_tma_store": "_ws_ring_tma_store_kernel",
+                   "forward": "_ws_forward_kernel", "smem": "_ws_smem_kernel"}
+
+
+def _minimal_alone(variant: str) -> Family:
+    # a process of its own: racecheck's print limit, which smem's reports reach, is per process
+    return Family(f"minimal-{variant}", f"racecheck_minimal.py's {variant} alone",
+                  (MINIMAL_KERNELS[variant],), lambda: _minimal((variant,)))
 
 
 _GLUON = ("_fwd_hopper_kernel", "_bwd_hopper_kernel")
@@ -187,9 +202,9 @@ _OFF = (("OMNIATTN_GLUON", "0"),)
 
 FAMILIES = (
     Family("minimal", "tools/racecheck_minimal.py: race-free warp_specialize kernels (bare, "
-           "wide, captures, smem, tma)", ("_ws_bare_kernel", "_ws_wide_kernel",
-                                          "_ws_captures_kernel", "_ws_smem_kernel",
-                                          "_ws_tma_kernel"), _minimal),
+           "wide, captures, tma; with the forward's partitions and budgets: regs, ring, "
+           "ring_tma_store, forward; smem)", tuple(MINIMAL_KERNELS.values()), _minimal),
+    *(_minimal_alone(variant) for variant in MINIMAL_KERNELS),
     Family("gluon-dense", "dense D128: fwd_hopper, bwd_hopper", _GLUON, _dense()),
     Family("gluon-causal", "causal D128", _GLUON, _dense(causal=True)),
     Family("gluon-mask-key-bias", "element mask (B, H, S, S) + key bias (B, H, 1, S): the "

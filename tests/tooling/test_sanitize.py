@@ -168,6 +168,15 @@ def test_families():
         ["minimal", "gluon-dense", "gluon-d64", "gluon-d256"]
     with pytest.raises(ValueError, match="'nope' matches no family"):
         sanitize.select_families("nope")
+    # `minimal` launches every variant of racecheck_minimal.py; `minimal-VARIANT` one alone
+    minimal = _load("racecheck_minimal")
+    assert tuple(sanitize.MINIMAL_KERNELS) == minimal.VARIANTS
+    assert {v: k.fn.__name__ for v, k in minimal.KERNELS.items()} == sanitize.MINIMAL_KERNELS
+    families = {f.name: f for f in sanitize.FAMILIES}
+    assert families["minimal"].expects == tuple(sanitize.MINIMAL_KERNELS.values())
+    assert [f.name for f in sanitize.select_families("minimal-*")] == \
+        [f"minimal-{v}" for v in minimal.VARIANTS]
+    assert families["minimal-forward"].expects == ("_ws_forward_kernel",)
 
 
 HOST_SIDE = """
@@ -196,7 +205,7 @@ def test_family_calls_are_valid():
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     ran = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("ran ")]
-    assert ran == [f.name for f in sanitize.FAMILIES if f.name != "minimal"]
+    assert ran == [f.name for f in sanitize.FAMILIES if not f.name.startswith("minimal")]
 
 
 FAKE_SANITIZER = """\
@@ -254,11 +263,14 @@ def test_help_and_list():
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
 def test_minimal_kernels_compile_for_sm90(tmp_path):
-    """The four minimal kernels compile for sm_90a without a GPU, and their PTX has the
+    """The minimal kernels compile for sm_90a without a GPU, and their PTX has the
     warp_specialize handover docs/sanitizer.md describes: CTA-wide `barrier.sync 1`; in `bare`
     no shared-memory access but the partition bytes (stored at the kernel's entry and exit,
     loaded by the workers); `captures` adds a stored / loaded capture; `smem` the ring's
-    stores and loads; `tma` a TMA copy."""
+    stores and loads; `tma` a TMA copy. The forward-shaped ones (regs, ring, ring_tma_store,
+    forward) launch 384 threads with setmaxnreg 232 / 40 as `_fwd_hopper_kernel`; ring and
+    after add wgmma and the 4-warp worker's own barrier; ring_tma_store and forward the
+    epilogue's stmatrix and TMA store; forward captures nothing."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, str(TOOLS / "racecheck_minimal.py"), "--ptx",
@@ -269,16 +281,37 @@ def test_minimal_kernels_compile_for_sm90(tmp_path):
     for variant, text in ptx.items():
         assert len(re.findall(r"\bbarrier\.sync\s+1;", text)) >= 4, variant
     accesses = {v: [op for _, op, _ in minimal.shared_accesses(text)] for v, text in ptx.items()}
-    assert sorted(accesses["bare"]) == ["ld.shared.b8", "st.shared.b32", "st.shared.b32"]
+    bytes_only = ["ld.shared.b8", "st.shared.b32", "st.shared.b32"]
+    assert sorted(accesses["bare"]) == bytes_only
     assert len(accesses["captures"]) == 5
     assert accesses["smem"].count("st.shared.v4.b32") >= 1 \
         and accesses["smem"].count("ld.shared.v4.b32") >= 1
     assert "cp.async.bulk.tensor" in ptx["tma"] and "st.shared.v4" not in ptx["tma"]
 
+    forward_shaped = ("regs", "ring", "ring_tma_store", "forward")
+    for variant in forward_shaped:
+        text = ptx[variant]
+        assert ".reqntid 384" in text, variant
+        budgets = set(re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", text))
+        assert {"232", "40"} <= budgets, variant
+    # the forward's partition bytes: one 8-byte store for warps 4-11 at entry and exit
+    assert sorted(accesses["regs"]) == ["ld.shared.b8", "st.shared.v2.b32", "st.shared.v2.b32"]
+    for variant in forward_shaped[1:]:
+        text = ptx[variant]
+        assert "wgmma.mma_async" in text and re.search(r"bar\.sync\s+2, 128;", text), variant
+        assert "cp.async.bulk.tensor.2d.shared" in text, variant  # the producer's loads
+        tma_store = variant != "ring"
+        assert ("cp.async.bulk.tensor.2d.global.shared" in text) == tma_store, variant
+        assert any(op.startswith("stmatrix") for op in accesses[variant]) == tma_store, variant
+    # ring's captured round count: stored once, loaded by each worker
+    assert len([op for op in accesses["ring"] if op.startswith("ld.shared")]) == 3
+    assert sorted(op for op in accesses["forward"] if not op.startswith("stmatrix")) == \
+        ["ld.shared.b8", "st.shared.v2.b32", "st.shared.v2.b32"]
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs sm90")
-def test_minimal_kernels_copy_their_input():
+def test_minimal_kernels_match_their_reference():
     minimal = _load("racecheck_minimal")
     for variant in minimal.VARIANTS:
         minimal.run(variant)
