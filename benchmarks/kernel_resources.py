@@ -190,12 +190,11 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("fwd", "bwd", "gluon-fwd", "gluon-bwd"),
                         default="bwd")
     parser.add_argument("--mask", action="store_true",
-                        help="a bool element mask spanning (Sq, Sk) (Gluon kernels and fwd)")
+                        help="a bool element mask spanning (Sq, Sk)")
     parser.add_argument("--lists", action="store_true",
                         help="Gluon kernels: lists of FULL tiles (a block mask's), no mask")
     parser.add_argument("--bias", choices=("key", "column", "full"),
-                        help="a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) or a full one "
-                        "(Gluon kernels and fwd)")
+                        help="a key bias (B, H, 1, Sk), a column (B, H, Sq, 1) or a full one")
     parser.add_argument("--row-lengths", action="store_true",
                         help="Gluon kernels: per-row key lengths alone, rows in length order")
     parser.add_argument("--packed", action="store_true",
@@ -230,7 +229,9 @@ def main() -> None:
             mask, bias = _elementwise(q, opts.mask, opts.bias)
             fwd.attention_forward(q, k, v, args, mask=mask, bias=bias)
         elif opts.kernel == "bwd":
-            bwd.attention_backward(q, q, k, v, q, lse, args)
+            mask, bias = _elementwise(q, opts.mask, opts.bias)
+            bwd.attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
+                                   bias_grad=bias is not None)
         else:
             _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
                         opts.row_lengths, opts.packed)

@@ -134,16 +134,11 @@ def _bwd_preprocess(
 def _dkdv_tiles(
     dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
     tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
-    mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-    dbias_cols, stride_dbm, stride_dbn, cols_left, row_lens, row_order,
-    seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
-    bit_col, stride_sq, block_bits, dq_tile, stride_dqm, softmax_scale,
+    mask_view, bias_view, dbias_view, cols_left, row_lens, row_order, seqlen_q, seqlen_k,
+    window, scores, rng, bits, dq_tile, stride_dqm, softmax_scale,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -157,7 +152,25 @@ def _dkdv_tiles(
     or summed over queries into dbias_keys [BN] when the bias has one row for every query. With
     ATOMIC_DQ this tile's share of dQ (ds^T k, scaled) is added into the fp32 dq_tile ([BM, BD]
     pointers at query 0), row r at the caller's row row_order[r] with ROW_ORDER (q, dO, lse and
-    delta come in length order)."""
+    delta come in length order). Grouped arguments: mask_view / bias_view / dbias_view (pointer,
+    stride along queries, stride along keys), window (diag_offset, left, right), scores (`scores_log2`'s
+    scale and softcap terms), rng (seed, base, stride, dropout_p), bits (this key tile's bitmap
+    column, its stride along query blocks, the bitmaps); MASK_FORM / BIAS_FORM (given, rows
+    shared, columns shared)."""
+    mask_cols, stride_mm, stride_mn = mask_view
+    bias_cols, stride_bm, stride_bn = bias_view
+    dbias_cols, stride_dbm, stride_dbn = dbias_view
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
+    rng_seed, rng_base, rng_stride, dropout_p = rng
+    bit_col, stride_sq, block_bits = bits
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: tl.constexpr = MASK_FORM[0]
+    MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
+    MASK_COLS_SHARED: tl.constexpr = MASK_FORM[2]
+    HAS_BIAS: tl.constexpr = BIAS_FORM[0]
+    BIAS_ROWS_SHARED: tl.constexpr = BIAS_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
     local_n = tl.arange(0, offs_n.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -252,17 +265,11 @@ def _dkdv_tiles(
 @triton.jit
 def _dq_tiles(
     dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
-    offs_m, offs_n, offs_d, stride_kn, stride_vn,
-    mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-    dbias_tile_rows, stride_dbm, stride_dbn,
-    seqlen_k, key_end, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
-    bit_row, stride_sk, block_bits,
+    offs_m, offs_n, offs_d, stride_kn, stride_vn, mask_view, bias_view, rows_left, dbias_view,
+    seqlen_k, key_end, window, scores, rng, bits,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
+    SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr,
     DROPOUT: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -271,7 +278,23 @@ def _dq_tiles(
     """Accumulate dQ [BM, BD] of one query tile over `num_tiles` key tiles. Keys past Sk load
     k = v = 0, so they add nothing to dQ. With DBIAS (a bias with one column for every key) the
     score gradient is summed over keys into dbias_rows [BM]; with DBIAS_TILES (a full bias, one
-    head per query head) it is stored per element from dbias_tile_rows, contiguous along keys."""
+    head per query head) it is stored per element from dbias_tile_rows, contiguous along keys.
+    Grouped arguments as `_dkdv_tiles`'s (pointers at this query tile's first row, key 0;
+    bits: this query tile's bitmap row, its stride along key blocks, the bitmaps)."""
+    mask_rows, stride_mm, stride_mn = mask_view
+    bias_rows, stride_bm, stride_bn = bias_view
+    dbias_tile_rows, stride_dbm, stride_dbn = dbias_view
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
+    rng_seed, rng_base, rng_stride, dropout_p = rng
+    bit_row, stride_sk, block_bits = bits
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: tl.constexpr = MASK_FORM[0]
+    MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
+    MASK_COLS_SHARED: tl.constexpr = MASK_FORM[2]
+    HAS_BIAS: tl.constexpr = BIAS_FORM[0]
+    BIAS_ROWS_SHARED: tl.constexpr = BIAS_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
     local_m = tl.arange(0, offs_m.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -328,24 +351,12 @@ def _dq_tiles(
 @triton.jit
 def _dkdv_program(
     tile_n, off_b, first_head, HEADS: tl.constexpr, kv_slot, Q, DOut, Lse, Delta, DK, DV, DQ,
-    k_base, v_base,
-    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lb, stride_lh,
-    stride_dqb, stride_dqm, stride_dqh, QNum, QIdx, FullQNum, FullQIdx,
-    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
-    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
-    bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
-    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
+    k_base, v_base, q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
+    lse_strides, dq_strides, lists, list_strides, mask_view, bias_view, dbias_view, row_lens,
+    row_order, bits, seqlen_q, seqlen_k, window, softmax_scale, scores, rng,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -356,7 +367,37 @@ def _dkdv_program(
     heads [first_head, first_head + HEADS) (a KV group, or a part of one) into head slot
     `kv_slot` of DK/DV; with DBIAS (a bias spanning the keys) and WITH_DK also dbias of its keys:
     per query head, or summed over the heads into slot `kv_slot` when DBIAS_PER_QHEAD is off.
-    With ATOMIC_DQ and WITH_DK also each query head's dQ share, added into the fp32 DQ."""
+    With ATOMIC_DQ and WITH_DK also each query head's dQ share, added into the fp32 DQ.
+    Grouped arguments: the tensors' strides ((batch, row, head) / lse (batch, head)), the
+    schedule's lists (num, indices, full num, full indices) and their strides (three each),
+    mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
+    (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
+    strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
+    rng (seed, batch base, head stride, row stride, dropout_p); MASK_FORM / BIAS_FORM (given,
+    rows shared, columns shared)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dkb, stride_dkn, stride_dkh = dk_strides
+    stride_dvb, stride_dvn, stride_dvh = dv_strides
+    stride_lb, stride_lh = lse_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    QNum, QIdx, FullQNum, FullQIdx = lists
+    (stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin) = list_strides
+    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div = mask_view
+    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div = bias_view
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
+    bit_batch, stride_sh, stride_sq, stride_sk, block_bits = bits
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
+    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: tl.constexpr = MASK_FORM[0]
+    MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
+    MASK_COLS_SHARED: tl.constexpr = MASK_FORM[2]
+    HAS_BIAS: tl.constexpr = BIAS_FORM[0]
+    BIAS_ROWS_SHARED: tl.constexpr = BIAS_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     local_n = tl.arange(0, BLOCK_N)
@@ -406,16 +447,15 @@ def _dkdv_program(
             dk, dv, dbias_keys = _dkdv_tiles(
                 dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
                 tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
-                mask_cols, stride_mm, stride_mn, bias_cols, stride_bm, stride_bn,
-                dbias_cols, stride_dbm, stride_dbn, seqlen_k - start_n, row_lens, row_order,
-                seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-                qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
-                bit_col, stride_sq, block_bits, dq_tile, stride_dqm, softmax_scale,
+                (mask_cols, stride_mm, stride_mn), (bias_cols, stride_bm, stride_bn),
+                (dbias_cols, stride_dbm, stride_dbn), seqlen_k - start_n, row_lens, row_order,
+                seqlen_q, seqlen_k, (diag_offset, window_left, window_right),
+                (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+                (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
+                (bit_col, stride_sq, block_bits), dq_tile, stride_dqm, softmax_scale,
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
+                (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+                (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
                 ATOMIC_DQ, ROW_ORDER, WITH_DK, WITH_DV)
         if DBIAS and WITH_DK and BIAS_ROWS_SHARED:
@@ -438,24 +478,13 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_program(
-    tile_m, off_b, off_h, Q, DOut, Lse, Delta, DQ, k_base, v_base,
-    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom, stride_doh,
-    stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
-    KvNum, KvIdx, FullKvNum, FullKvIdx,
-    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
-    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
-    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
-    bit_batch, stride_sh, stride_sq, stride_sk, block_bits,
-    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2,
-    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
+    tile_m, off_b, off_h, Q, DOut, Lse, Delta, DQ, k_base, v_base, q_strides, stride_kn,
+    stride_vn, do_strides, dq_strides, lse_strides, lists, list_strides, mask_view, bias_view,
+    dbias_view, row_lens, row_order, bits, seqlen_q, seqlen_k, window, softmax_scale, scores,
+    rng,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr,
     USER_BQ: tl.constexpr, USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -464,7 +493,35 @@ def _dq_program(
     """dQ of query tile `tile_m` of query head `off_h`; with DBIAS (a bias with one column for
     every key) also its dbias rows, with DBIAS_TILES (a full bias per query head) its dbias
     tiles, in the slot of query head `off_h`. ROW_ORDER: q, dO, lse and delta come in length
-    order, row r's dQ goes to the caller's row row_order[r]."""
+    order, row r's dQ goes to the caller's row row_order[r].
+    Grouped arguments: the tensors' strides ((batch, row, head) / lse (batch, head)), the
+    schedule's lists (num, indices, full num, full indices) and their strides (three each),
+    mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
+    (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
+    strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
+    rng (seed, batch base, head stride, row stride, dropout_p); MASK_FORM / BIAS_FORM (given,
+    rows shared, columns shared)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    stride_lb, stride_lh = lse_strides
+    KvNum, KvIdx, FullKvNum, FullKvIdx = lists
+    (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim) = list_strides
+    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div = mask_view
+    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div = bias_view
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
+    bit_batch, stride_sh, stride_sq, stride_sk, block_bits = bits
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
+    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: tl.constexpr = MASK_FORM[0]
+    MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
+    MASK_COLS_SHARED: tl.constexpr = MASK_FORM[2]
+    HAS_BIAS: tl.constexpr = BIAS_FORM[0]
+    BIAS_ROWS_SHARED: tl.constexpr = BIAS_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     local_m = tl.arange(0, BLOCK_M)
@@ -508,17 +565,16 @@ def _dq_program(
             lo, full_lo, full_hi, hi)
         dq, dbias_rows = _dq_tiles(
             dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
-            offs_m, offs_n, offs_d, stride_kn, stride_vn,
-            mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, seqlen_q - start_m,
-            dbias_tile_rows, stride_dbm, stride_dbn,
-            seqlen_k, key_end, diag_offset, window_left, window_right,
-            qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p,
-            bit_row, stride_sk, block_bits,
+            offs_m, offs_n, offs_d, stride_kn, stride_vn, (mask_rows, stride_mm, stride_mn),
+            (bias_rows, stride_bm, stride_bn), seqlen_q - start_m,
+            (dbias_tile_rows, stride_dbm, stride_dbn), seqlen_k, key_end,
+            (diag_offset, window_left, window_right),
+            (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+            (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
+            (bit_row, stride_sk, block_bits),
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
-            HAS_ROW_LENS or not EVEN_N, SOFTCAP,
-            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DROPOUT, DBIAS, DBIAS_TILES,
+            HAS_ROW_LENS or not EVEN_N, SOFTCAP, (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+            (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DROPOUT, DBIAS, DBIAS_TILES,
             HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_rows = start_m.to(tl.int64) + local_m[:, None]
@@ -632,23 +688,22 @@ def _bwd_kernel(
                 _dkdv_program(
                     tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
                     off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
-                    stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob,
-                    stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                    stride_dvn, stride_dvh, stride_lb, stride_lh, stride_dqb, stride_dqm,
-                    stride_dqh,
-                    QNum, QIdx, FullQNum, FullQIdx,
-                    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-                    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-                    mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
-                    bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-                    dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
-                    bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
-                    seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
-                    qk_scale_log2, softcap_inv_scaled, softcap_log2,
-                    rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
+                    (stride_qb, stride_qm, stride_qh), stride_kn, stride_vn,
+                    (stride_dob, stride_dom, stride_doh), (stride_dkb, stride_dkn, stride_dkh),
+                    (stride_dvb, stride_dvn, stride_dvh), (stride_lb, stride_lh),
+                    (stride_dqb, stride_dqm, stride_dqh), (QNum, QIdx, FullQNum, FullQIdx),
+                    (stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
+                     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin),
+                    (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),
+                    (bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div),
+                    (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
+                    (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
+                    seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
+                    (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+                    (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
                     HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                    HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
+                    (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+                    (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT,
                     DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ,
                     DBIAS_PER_QHEAD, EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK,
                     DOT_PRECISION, ATOMIC_DQ, LENGTH_RANGES, ROW_ORDER,
@@ -662,22 +717,22 @@ def _bwd_kernel(
             return
         _dq_program(
             tile_m, off_b, off_hk * group + work // n_tiles_m,
-            Q, DOut, Lse, Delta, DQ, k_base, v_base,
-            stride_qb, stride_qm, stride_qh, stride_kn, stride_vn, stride_dob, stride_dom,
-            stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lb, stride_lh,
-            KvNum, KvIdx, FullKvNum, FullKvIdx,
-            stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-            stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
-            mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div,
-            bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div,
-            dbias_batch, stride_dbh, stride_dbm, stride_dbn, row_lens, row_order,
-            bit_batch, stride_sh, stride_sq, stride_sk, BlockBits,
-            seqlen_q, seqlen_k, diag_offset, window_left, window_right, softmax_scale,
-            qk_scale_log2, softcap_inv_scaled, softcap_log2,
-            rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p,
+            Q, DOut, Lse, Delta, DQ, k_base, v_base, (stride_qb, stride_qm, stride_qh),
+            stride_kn, stride_vn, (stride_dob, stride_dom, stride_doh),
+            (stride_dqb, stride_dqm, stride_dqh), (stride_lb, stride_lh),
+            (KvNum, KvIdx, FullKvNum, FullKvIdx),
+            (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim),
+            (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),
+            (bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div),
+            (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
+            (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
+            seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
+            (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+            (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_ROW_LENS, DROPOUT,
+            (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+            (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
             DBIAS_TILES_IN_DQ, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
             DOT_PRECISION, LENGTH_RANGES, ROW_ORDER)
