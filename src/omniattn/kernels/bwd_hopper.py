@@ -293,21 +293,13 @@ def _reduce_add_dq(dq, dq_smem, dq_desc, off_b, q_start, tile_m, head, softmax_s
 
 
 @gluon.jit
-def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_desc, dk, dv,
                 dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
-                qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
-                stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                bias_row, bias_ready, head_bias, rows_smem, has_next, prev_tile_m, prev_head,
-                lens_rows, MASKED: gl.constexpr,
-                KEY_END: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, HAS_MASK: gl.constexpr,
-                MASK_TMA: gl.constexpr,
-                MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
-                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+                qk_scale_log2, softmax_scale, mask_view, bias_view, dbias_view, bias_tma,
+                head_bias, has_next, prev_tile_m, prev_head, lens_rows, MASKED: gl.constexpr,
+                KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, MASK_FORM: gl.constexpr,
+                BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
                 EVEN_M: gl.constexpr,
                 EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                 HALF_N: gl.constexpr,
@@ -325,7 +317,26 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
     order). Explicit schedules read the step's tile_m (and the next step's) from rows_smem once its
     q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step (prev_tile_m of head
     prev_head) is computed in this one. P_ROUNDING: how P^T is rounded for dV and which P^T dS^T
-    takes (`hopper_backward_p_rounding`). Returns (dk, dv, dbias_keys, tile_m)."""
+    takes (`hopper_backward_p_rounding`). Returns (dk, dv, dbias_keys, tile_m).
+    Grouped arguments: buffers (q, dO, lse, delta, dS, dQ, mask and list-row shared buffers),
+    barriers (q ready, dO ready, q / dO free, dS ready), mask_view / bias_view / dbias_view
+    (pointer, stride along queries, stride along keys), bias_tma (descriptor, row, barrier);
+    MASK_FORM / BIAS_FORM (given, by TMA, rows shared, columns shared)."""
+    q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, mask_smem, rows_smem = buffers
+    q_ready, do_ready, qdo_free, ds_ready = barriers
+    mask_cols, stride_mm, stride_mn = mask_view
+    bias_cols, stride_bm, stride_bn = bias_view
+    dbias_cols, stride_dbm, stride_dbn = dbias_view
+    bias_desc, bias_row, bias_ready = bias_tma
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: gl.constexpr = MASK_FORM[0]
+    MASK_TMA: gl.constexpr = MASK_FORM[1]
+    MASK_ROWS_SHARED: gl.constexpr = MASK_FORM[2]
+    MASK_COLS_SHARED: gl.constexpr = MASK_FORM[3]
+    HAS_BIAS: gl.constexpr = BIAS_FORM[0]
+    BIAS_TMA: gl.constexpr = BIAS_FORM[1]
+    BIAS_ROWS_SHARED: gl.constexpr = BIAS_FORM[2]
+    BIAS_COLS_SHARED: gl.constexpr = BIAS_FORM[3]
     DQ_TRAILS: gl.constexpr = NUM_DS > 2
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
@@ -466,20 +477,13 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half
 
 
 @gluon.jit
-def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_steps, rows_smem,
-                 q_smem,
-                 do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-                 ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
-                 dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
-                 qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols,
-                 stride_bm, stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc,
-                 bias_row, bias_ready, head_bias, lens_rows, MASKED: gl.constexpr,
-                 KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
-                 HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-                 MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                 BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                 DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_steps, buffers,
+                 k_half, v_half, k_dq0, k_dq1, barriers, dq_desc, dk, dv, dbias_keys, keys, key0,
+                 off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
+                 softmax_scale, mask_view, bias_view, dbias_view, bias_tma, head_bias, lens_rows,
+                 MASKED: gl.constexpr, KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
+                 MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
                  EVEN_M: gl.constexpr,
                  EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                  HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -490,16 +494,11 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
     (dk, dv, dbias_keys, i, prev_tile_m, prev_head): the last step's tile and head."""
     for j in range(steps_begin, steps_end):
         dk, dv, dbias_keys, prev_tile_m = _query_tile(
-            i, first + j, q_smem, do_smem, lse_smem, delta_smem, k_half, v_half, k_dq0, k_dq1,
-            ds_smem, dq_smem, q_ready, do_ready, qdo_free, ds_ready, dq_desc, dk, dv,
+            i, first + j, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_desc, dk, dv,
             dbias_keys, keys, key0, off_b, q_start, head, seqlen_q, seqlen_k, diag, diag_left,
-            qk_scale_log2, softmax_scale, mask_cols, stride_mm, stride_mn, bias_cols, stride_bm,
-            stride_bn, dbias_cols, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row,
-            bias_ready, head_bias, rows_smem, j + 1 < num_steps, prev_tile_m, prev_head,
-            lens_rows, MASKED, KEY_END, HAS_LEFT,
-            HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA, MASK_ROWS_SHARED,
-            MASK_COLS_SHARED,
-            HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
+            qk_scale_log2, softmax_scale, mask_view, bias_view, dbias_view, bias_tma, head_bias,
+            j + 1 < num_steps, prev_tile_m, prev_head, lens_rows, MASKED, KEY_END, HAS_LEFT,
+            HAS_RIGHT, EXPLICIT, ROW_ORDER, MASK_FORM, BIAS_FORM, DBIAS, DBIAS_FROM_DS,
             P_ROUNDING, EVEN_M,
             EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
             dq_layout)
@@ -609,17 +608,17 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
             if run < 2 or HAS_LEFT or ROW_ORDER or (EXPLICIT and not EVEN_N):
                 dk, dv, dbias_keys, i, prev_tile_m, prev_head = _query_tiles(
                     run_ends[run], run_ends[run + 1], i, prev_tile_m, prev_head, first,
-                    num_steps, rows_smem,
-                    q_smem, do_smem, lse_smem, delta_smem, k_half, v_half,
-                    k_dq0, k_dq1, ds_smem, dq_smem, q_ready, do_ready, qdo_free,
-                    ds_ready, dq_desc, dk, dv, dbias_keys, keys, key0, off_b, q_start, head,
-                    seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, mask_cols,
-                    stride_mm, stride_mn, bias_cols, stride_bm, stride_bn, dbias_cols,
-                    stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row, bias_ready,
+                    num_steps, (q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                                mask_smem, rows_smem),
+                    k_half, v_half, k_dq0, k_dq1, (q_ready, do_ready, qdo_free, ds_ready),
+                    dq_desc, dk, dv, dbias_keys, keys, key0, off_b, q_start, head,
+                    seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale,
+                    (mask_cols, stride_mm, stride_mn), (bias_cols, stride_bm, stride_bn),
+                    (dbias_cols, stride_dbm, stride_dbn), (bias_desc, bias_row, bias_ready),
                     head_bias, lens_rows, run == 0 or (run == 2 and not EXPLICIT), run != 1,
-                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, HAS_MASK, MASK_TMA,
-                    MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                    HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS,
+                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
+                    (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+                    (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS,
                     P_ROUNDING,
                     EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
                     s_layout, dq_layout)
