@@ -514,18 +514,11 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                    first_full, last_full,
                    end_m, num_m_tiles, group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
                    softmax_scale,
-                   part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-                   stride_fih, mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn,
-                   bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn, dbias_batch,
-                   stride_dbh, stride_dbm, stride_dbn, mask_smem, bias_desc, bias_row0,
-                   bias_ready, rows_smem, lens_rows, dk_rows, stride_dkm, dv_rows, stride_dvm,
+                   lists, mask_view, bias_view, dbias_view, mask_smem, bias_tma0, rows_smem,
+                   lens_rows, packed_rows,
                    CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-                   HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
-                   MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                   BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-                   DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
+                   MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
                    EVEN_M: gl.constexpr,
                    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
@@ -537,7 +530,29 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of the batch. PACKED: a
     key tile cut by its sequence's end stores its rows inside it to dk_rows / dv_rows (key 0 of
     the sequence and KV head) without TMA. q_start / k_start: the batch's first rows of the flat
-    (FLAT) views."""
+    (FLAT) views.
+    lists: the head's PARTIAL and FULL lists (num, indices, each's head stride); bias_tma0:
+    (descriptor, the batch's first row, barrier); packed_rows: (dK rows, stride, dV rows,
+    stride) of a packed batch's keys; mask_view /
+    bias_view: (batch base, head stride, head divisor, row stride, column stride); dbias_view:
+    (batch base, head, row, column strides); MASK_FORM / BIAS_FORM (given, by TMA, rows shared,
+    columns shared)."""
+    part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh, stride_fih = \
+        lists
+    bias_desc, bias_row0, bias_ready = bias_tma0
+    dk_rows, stride_dkm, dv_rows, stride_dvm = packed_rows
+    mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn = mask_view
+    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn = bias_view
+    dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HAS_MASK: gl.constexpr = MASK_FORM[0]
+    MASK_TMA: gl.constexpr = MASK_FORM[1]
+    MASK_ROWS_SHARED: gl.constexpr = MASK_FORM[2]
+    MASK_COLS_SHARED: gl.constexpr = MASK_FORM[3]
+    HAS_BIAS: gl.constexpr = BIAS_FORM[0]
+    BIAS_TMA: gl.constexpr = BIAS_FORM[1]
+    BIAS_ROWS_SHARED: gl.constexpr = BIAS_FORM[2]
+    BIAS_COLS_SHARED: gl.constexpr = BIAS_FORM[3]
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -827,18 +842,17 @@ def _bwd_hopper_kernel(
                           do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
                           start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
                           seqlen_q, seqlen_k,
-                          diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
-                          full_num, full_list,
-                          stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
-                          mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
-                          bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
-                          stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, dk_rows,
-                          stride_dkm, dv_rows, stride_dvm, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          diag, diag_left, qk_scale_log2, softmax_scale,
+                          (part_num, part_list, full_num, full_list, stride_qnh, stride_qih,
+                           stride_gnh, stride_gih),
+                          (mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn),
+                          (bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn),
+                          (dbias_batch, stride_dbh, stride_dbm, stride_dbn), mask_smem,
+                          (bias_desc, off_b * bias_batch_rows, bias_ready), rows_smem, lens_rows,
+                          (dk_rows, stride_dkm, dv_rows, stride_dvm), 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
                           ROW_ORDER, PACKED,
-                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                          BIAS_TMA, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
+                          (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+                          (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
                           BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -846,18 +860,17 @@ def _bwd_hopper_kernel(
                           do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
                           start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
                           seqlen_q, seqlen_k,
-                          diag, diag_left, qk_scale_log2, softmax_scale, part_num, part_list,
-                          full_num, full_list,
-                          stride_qnh, stride_qih, stride_gnh, stride_gih, mask_batch, stride_mh,
-                          mask_head_div, stride_mm, stride_mn, bias_batch, stride_bh,
-                          bias_head_div, stride_bm, stride_bn, dbias_batch, stride_dbh,
-                          stride_dbm, stride_dbn, mask_smem, bias_desc,
-                          off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, dk_rows,
-                          stride_dkm, dv_rows, stride_dvm, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          diag, diag_left, qk_scale_log2, softmax_scale,
+                          (part_num, part_list, full_num, full_list, stride_qnh, stride_qih,
+                           stride_gnh, stride_gih),
+                          (mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn),
+                          (bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn),
+                          (dbias_batch, stride_dbh, stride_dbm, stride_dbn), mask_smem,
+                          (bias_desc, off_b * bias_batch_rows, bias_ready), rows_smem, lens_rows,
+                          (dk_rows, stride_dkm, dv_rows, stride_dvm), 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
                           ROW_ORDER, PACKED,
-                          HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                          BIAS_TMA, BIAS_ROWS_SHARED,
-                          BIAS_COLS_SHARED, DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
+                          (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
+                          (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
                           BLOCK_M,
                           BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
         (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
