@@ -223,7 +223,7 @@ def main() -> None:
     args = KernelArgs.make(opts.head_dim, opts.causal, window, None, 0.0)
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []
-    with launches_compiled({"_fwd_kernel", "_bwd_kernel", "_fwd_hopper_kernel",
+    with launches_compiled({"_fwd_kernel", "bwd_kernel", "_fwd_hopper_kernel",
                             "_bwd_hopper_kernel", "_bwd_wide_kernel"}, reports):
         if opts.kernel == "fwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)

@@ -197,7 +197,7 @@ def _minimal_alone(variant: str) -> Family:
 
 
 _GLUON = ("_fwd_hopper_kernel", "_bwd_hopper_kernel")
-_TRITON = ("_fwd_kernel", "_bwd_kernel")
+_TRITON = ("_fwd_kernel", "bwd_kernel")
 _OFF = (("OMNIATTN_GLUON", "0"),)
 
 FAMILIES = (
@@ -223,15 +223,15 @@ FAMILIES = (
            ("_fwd_hopper_kernel", "_bwd_wide_kernel"), _dense(256)),
     Family("gluon-varlen", "packed sequences 120 + 80, causal", _GLUON, _varlen),
     Family("triton-causal", "causal D128 with OMNIATTN_GLUON=0: fwd.py, bwd.py",
-           _TRITON + ("_bwd_preprocess",), _dense(causal=True), _OFF),
+           _TRITON + ("bwd_preprocess",), _dense(causal=True), _OFF),
     Family("triton-deterministic", "dense, deterministic=True: fwd_hopper forward, bwd.py "
-           "backward", ("_fwd_hopper_kernel", "_bwd_kernel"), _dense(deterministic=True)),
+           "backward", ("_fwd_hopper_kernel", "bwd_kernel"), _dense(deterministic=True)),
     Family("triton-dropout", "dense, dropout_p=0.1", _TRITON, _dense(dropout_p=0.1)),
     Family("triton-varlen", "packed sequences, causal, OMNIATTN_GLUON=0", _TRITON, _varlen,
            _OFF),
     Family("triton-gqa-mask-full-bias", "GQA 4/2, element mask + full bias, "
            "OMNIATTN_GLUON=0: dbias tiles zeroed where unlisted, dK / dV partials summed",
-           _TRITON + ("_zero_unlisted_kernel", "_sum_kv_parts", "_mask_states_kernel",
+           _TRITON + ("zero_unlisted_kernel", "sum_kv_parts", "_mask_states_kernel",
                       "_mask_lists_kernel"), _gqa_mask_full_bias, _OFF),
     Family("prepass-forward-lists", "element mask, forward only: lists built by the "
            "pre-pass in one launch", ("_mask_forward_lists_kernel",), _forward_lists),
