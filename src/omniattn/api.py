@@ -13,7 +13,8 @@ from .autograd import (attention_with_graph, forward_parts, kernel_inputs, recor
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, length_order
-from .plan import CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call, uses_kernels
+from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call,
+                   reference_plan, uses_kernels)
 from .reference import attention_reference
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
@@ -179,8 +180,7 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
         row_lens = check_row_lens(seqlens_k_per_row, q, k, packed, check_inputs)
     backward_needed = graph_parts or records_graph(q, k, v, attn_bias)
     if not uses_kernels(q):
-        return _Prepared(plan_call(CallForm(q, k, v, None), backward_needed)[0], None, None,
-                         row_lens, packed)
+        return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed)
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     # per-row key lengths alone: each batch's rows in length order, key ranges from the lengths
     row_order = row_lens is not None and not args.masked and packed is None \

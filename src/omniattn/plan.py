@@ -239,18 +239,23 @@ def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tu
     return cfg.block_m, cfg.block_n
 
 
+def _call_refusal(form: CallForm) -> str | None:
+    """What no Gluon kernel of either pass takes, or None."""
+    if form.bits:
+        return "a block mask with element bitmaps"
+    if form.row_lens is not None and not form.row_order:
+        return "per-row key lengths with other masks (walked as lists)"
+    if form.packed is not None and form.row_lens is not None:
+        return "packed sequences with per-row key lengths"
+    if form.dropout:
+        return "dropout"
+    return None
+
+
 def forward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
     """The forward's kernel: the Gluon forward where it applies, else fwd.py."""
-    refusal = None
-    if form.bits:
-        refusal = "a block mask with element bitmaps"
-    elif form.row_lens is not None and not form.row_order:
-        refusal = "per-row key lengths with other masks (walked as lists)"
-    elif form.dropout:
-        refusal = "dropout"
-    elif form.packed is not None and form.row_lens is not None:
-        refusal = "packed sequences with per-row key lengths"
-    else:
+    refusal = _call_refusal(form)
+    if refusal is None:
         schedule_tiles = lists.forward if lists is not None else None
         refusal = hopper_forward_refusal(form.q, form.k, form.v, form.args, schedule_tiles,
                                          form.bias, form.packed, form.row_lens)
@@ -271,28 +276,25 @@ def _gluon_forward_tiles(form: CallForm) -> tuple[int, int] | None:
     return None if cfg is None else (cfg.block_m, cfg.block_n)
 
 
+def _gluon_backward_refusal(form: CallForm, lists: ListTiles | None) -> str | None:
+    refusal = _call_refusal(form)
+    if refusal is not None:
+        return refusal
+    if form.deterministic:
+        return "deterministic=True (its dQ is summed by atomics, in no fixed order)"
+    if form.q.numel() == 0 or form.k.numel() == 0:
+        return "an empty call"
+    # a bias with one column for all keys gets its gradient from lse, not from a kernel
+    bias_grad = form.bias_grad and not form.bias.cols_shared
+    return hopper_backward_refusal(form.q, form.k, form.v, form.args,
+                                   lists.dkdv if lists is not None else None, form.mask,
+                                   form.bias, bias_grad, form.packed)
+
+
 def backward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
     """The backward's kernel: a Gluon backward where one applies, else bwd.py (deterministic:
     every gradient written once, in a fixed order)."""
-    refusal = None
-    if form.bits:
-        refusal = "a block mask with element bitmaps"
-    elif form.row_lens is not None and not form.row_order:
-        refusal = "per-row key lengths with other masks (walked as lists)"
-    elif form.packed is not None and form.row_lens is not None:
-        refusal = "packed sequences with per-row key lengths"
-    elif form.dropout:
-        refusal = "dropout"
-    elif form.deterministic:
-        refusal = "deterministic=True (its dQ is summed by atomics, in no fixed order)"
-    elif form.q.numel() == 0 or form.k.numel() == 0:
-        refusal = "an empty call"
-    else:
-        # a bias with one column for all keys gets its gradient from lse, not from a kernel
-        bias_grad = form.bias_grad and not form.bias.cols_shared
-        refusal = hopper_backward_refusal(form.q, form.k, form.v, form.args,
-                                          lists.dkdv if lists is not None else None,
-                                          form.mask, form.bias, bias_grad, form.packed)
+    refusal = _gluon_backward_refusal(form, lists)
     schedule = _schedule_name(form)
     head_dim = form.q.shape[-1]
     gluon = GLUON_BACKWARD_WIDE if hopper_backward_splits_head_dim(head_dim) else GLUON_BACKWARD
@@ -313,11 +315,15 @@ def uses_kernels(q: torch.Tensor) -> bool:
     return q.is_cuda or interpreting()
 
 
+def reference_plan(q: torch.Tensor, backward_needed: bool) -> CallPlan:
+    """The plan of a call `uses_kernels` sends to the exact PyTorch reference."""
+    reference = PassPlan(REFERENCE, "queries in chunks, O(chunk x Sk) memory",
+                         refused=(Refusal("triton", _reference_reason(q)),))
+    return CallPlan(reference, reference, backward_needed)
+
+
 def plan_call(form: CallForm, backward_needed: bool) -> tuple[CallPlan, ListTiles | None]:
-    """The call's plan, and the tiles its explicit lists are built at (None: implicit)."""
-    if not uses_kernels(form.q):
-        reference = PassPlan(REFERENCE, "queries in chunks, O(chunk x Sk) memory",
-                             refused=(Refusal("triton", _reference_reason(form.q)),))
-        return CallPlan(reference, reference, backward_needed), None
+    """The plan of a call on the kernels (`uses_kernels`), and the tiles its explicit lists are
+    built at (None: implicit)."""
     lists = list_tiles(form) if form.explicit else None
     return CallPlan(forward_pass(form, lists), backward_pass(form, lists), backward_needed), lists

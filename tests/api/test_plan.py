@@ -18,7 +18,6 @@ def hopper(monkeypatch):
     configs (not the interpreter's)."""
     monkeypatch.setattr(gluon_blocks, "device_refusal", lambda device: None)
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
     monkeypatch.setattr(api, "uses_kernels", lambda q: True)
 
 

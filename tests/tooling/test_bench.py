@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import omniattn
-from omniattn import api, bench, plan
+from omniattn import api, bench
 from omniattn.bench import plot, report, timing
 from omniattn.bench.pairs import (block_mask_pairs, computed_pairs, element_mask_pairs,
                                   row_lengths_pairs, visible_pairs, workload_pairs)
@@ -37,7 +37,6 @@ def plan_as_gpu(monkeypatch):
         monkeypatch.setattr(gluon_blocks, "device_refusal",
                             (lambda device: None) if hopper else device_refusal)
         monkeypatch.setattr(configs, "interpreting", lambda: False)
-        monkeypatch.setattr(plan, "uses_kernels", lambda q: True)
         monkeypatch.setattr(api, "uses_kernels", lambda q: True)
 
     return plan_as
