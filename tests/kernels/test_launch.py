@@ -31,6 +31,12 @@ def test_key_tells_apart_what_triton_specialises():
                   (aligned, 17.0, 0.5, None), (aligned, 17, 0.5, False)):
         assert arguments_key(other) != key, other
     assert arguments_key((True,)) != arguments_key((1,)) != arguments_key((1.0,))
+    # grouped arguments: each leaf keyed as an argument of its own
+    assert arguments_key(((17, 1),)) == arguments_key(((17, 1),))
+    for other in (((17, True),), ((17, 16),), ((17.0, 1),), ((17, (1,)),), (17, 1)):
+        assert arguments_key(other) != arguments_key(((17, 1),)), other
+    assert arguments_key(((aligned, 1),)) == arguments_key(((storage[8:40], 1),))
+    assert arguments_key(((aligned, 1),)) != arguments_key(((misaligned, 1),))
     parameter = torch.nn.Parameter(aligned.clone())
     assert arguments_key((parameter,)) != arguments_key((parameter.detach(),))
 

@@ -37,6 +37,8 @@ class _Uncacheable(Exception):
 
 def _other_key(value):
     """Key of an argument that is neither a plain scalar nor a plain tensor."""
+    if type(value) is tuple:  # grouped arguments (strides, forms): each leaf as on its own
+        return arguments_key(value)
     if isinstance(value, torch.Tensor):  # subclasses (nn.Parameter)
         return (type(value), value.dtype, value.data_ptr() & 15)
     if isinstance(value, _DESCRIPTORS):
@@ -179,6 +181,13 @@ class Unflattenable(Exception):
     """A compiled kernel whose launcher is not Triton 3.6's CUDA launcher as FlatLaunch knows it."""
 
 
+def _holds_tensor(group: tuple) -> bool:
+    """Whether a tuple argument holds a tensor or descriptor (replays set only top-level
+    pointers, so kernels take tensors as arguments of their own)."""
+    return any(_holds_tensor(item) if type(item) is tuple
+               else isinstance(item, (torch.Tensor,) + _DESCRIPTORS) for item in group)
+
+
 class _Pointer:
     """A descriptor's base as Triton's descriptor encoder reads it: only its pointer."""
     __slots__ = ("pointer",)
@@ -221,6 +230,8 @@ class FlatLaunch:
         self._starts = []  # per kernel argument, its first index in values
         self._descriptors = {}  # per descriptor's position: (it without its base, metadata)
         for position, arg in enumerate((*args, *tail)):
+            if type(arg) is tuple and _holds_tensor(arg):
+                raise Unflattenable("a tensor inside a tuple argument")
             self._starts.append(len(self.values))
             if position in descriptor_positions:
                 meta = metas[len(self._descriptors)]
