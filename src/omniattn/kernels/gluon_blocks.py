@@ -90,8 +90,10 @@ def hand_over(slot, value):
     wait). A consumer's own load of a list entry stalls it: the wgmma fence of its next matmul
     waits for the load (`_listed_tiles` in bwd_hopper.py has the backward's number). Forward,
     H100, issue #4's top-k mask + full bias: kernel 0.421 ms handed over against 0.433
-    (docs/perf/forward.md, "The next key tile from the producer")."""
+    (docs/perf/forward.md, "The next key tile from the producer"). Every lane stores the value;
+    the warp barrier orders lanes 1-31's stores before lane 0's arrival too (`bar.warp.sync`)."""
     slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    gl.thread_barrier()
 
 
 @gluon.jit
