@@ -1,5 +1,5 @@
-"""tools/sanitize.py (compute-sanitizer over every kernel family) and tools/racecheck_minimal.py
-(race-free warp-specialised kernels): the log parser on canned sanitizer output, the run
+"""tools/sanitize.py (compute-sanitizer over every kernel family), its log reader
+tools/sanitizer_log.py and tools/racecheck_minimal.py (race-free warp-specialised kernels): the log parser on canned sanitizer output, the run
 orchestration with a stand-in sanitizer, and the minimal kernels' sm_90a compile."""
 import importlib.util
 import json
@@ -28,6 +28,7 @@ def _load(name: str):
 
 
 sanitize = _load("sanitize")
+sanitizer_log = _load("sanitizer_log")
 
 MEMCHECK_CLEAN = """\
 ========= COMPUTE-SANITIZER
@@ -93,16 +94,16 @@ CHILD = 'sanitize-child: {"family": "gluon-dense", "kernels": ["_fwd_hopper_kern
 
 def test_summary_counts():
     """ERROR SUMMARY and RACECHECK SUMMARY, singular and plural; a log without them: None."""
-    assert sanitize.parse_log(MEMCHECK_CLEAN).errors == 0
-    assert sanitize.parse_log(SYNCCHECK_ERROR).errors == 1
-    report = sanitize.parse_log(RACECHECK)
+    assert sanitizer_log.parse_log(MEMCHECK_CLEAN).errors == 0
+    assert sanitizer_log.parse_log(SYNCCHECK_ERROR).errors == 1
+    report = sanitizer_log.parse_log(RACECHECK)
     assert (report.hazards, report.hazard_errors, report.hazard_warnings) == (3, 2, 1)
     assert report.count() == 3
-    assert sanitize.parse_log("Error: unrecognized option '--bogus'\n").count() is None
+    assert sanitizer_log.parse_log("Error: unrecognized option '--bogus'\n").count() is None
 
 
 def test_memcheck_messages_grouped_by_kernel_and_line():
-    report = sanitize.parse_log(MEMCHECK_ERRORS)
+    report = sanitizer_log.parse_log(MEMCHECK_ERRORS)
     reads = [f for f in report.messages if f.what.startswith("Invalid __global__ read")]
     assert len(reads) == 1 and reads[0].count == 2  # addresses differ, message and line match
     assert (reads[0].kernel, reads[0].where) == ("_fwd_kernel", "fwd.py:201")
@@ -112,7 +113,7 @@ def test_memcheck_messages_grouped_by_kernel_and_line():
 
 def test_racecheck_analysis_and_hazards():
     """Pairs of source lines with their hazard counts; each hazard's threads as warps."""
-    report = sanitize.parse_log(RACECHECK)
+    report = sanitizer_log.parse_log(RACECHECK)
     pairs = {(f.severity, f.kernel, f.what, f.where): f.count for f in report.analysis}
     assert pairs == {
         ("ERROR", "_fwd_hopper_kernel", "Write / Read", "fwd_hopper.py:706 / fwd_hopper.py:599"): 12,
@@ -134,7 +135,7 @@ def test_racecheck_analysis_and_hazards():
     ("0x98 in _bwd_kernel", ("_bwd_kernel", "")),
 ])
 def test_locations(text, expected):
-    assert sanitize.where(text) == expected
+    assert sanitizer_log.where(text) == expected
 
 
 def test_verdicts():
