@@ -1,6 +1,7 @@
 """tools/sanitize.py (compute-sanitizer over every kernel family), its log reader
-tools/sanitizer_log.py and tools/racecheck_minimal.py (race-free warp-specialised kernels): the log parser on canned sanitizer output, the run
-orchestration with a stand-in sanitizer, and the minimal kernels' sm_90a compile."""
+tools/sanitizer_log.py and tools/racecheck_minimal.py (race-free warp-specialised kernels): the
+log reader on canned sanitizer output, the run orchestration with a stand-in sanitizer, and the
+minimal kernels' sm_90a compile."""
 import importlib.util
 import json
 import os
