@@ -8,7 +8,7 @@ The launchers run on CPU tensors with the kernel launch replaced by a compile, s
 get exactly the constexprs and specialisations a GPU call of that shape would give them. The
 numbers match the H100's `CompiledKernel.n_regs` / shared memory (2026-11-25: D128 backward 255
 registers, 164,864 bytes); ptxas counts spills in bytes (n_spills on the device counts words).
-The Gluon kernels (fwd_hopper.py, bwd_hopper.py; bwd_hopper_wide.py at head dim 256) run their
+The Gluon kernels (the Gluon forward, the Gluon backward; the wide Gluon backward at head dim 256) run their
 launchers the same way, with issue #4's element mask and biases on request; their partitions set
 their own register budgets (setmaxnreg), so `registers` is the launch's, and the spills are what
 tells. `barriers` and `barrier_bytes_overwritten` read the SASS (cuobjdump): the mbarriers
@@ -31,11 +31,17 @@ from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from omniattn.kernels import bwd, bwd_hopper, bwd_hopper_wide, configs, fwd, fwd_hopper
+from omniattn.backends.gluon_sm90 import backward as bwd_hopper
+from omniattn.backends.gluon_sm90 import backward_wide as bwd_hopper_wide
+from omniattn.backends.gluon_sm90 import configs as gluon_configs
+from omniattn.backends.gluon_sm90 import forward as fwd_hopper
+from omniattn.backends.triton import backward as bwd
+from omniattn.backends.triton import configs
+from omniattn.backends.triton import forward as fwd
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs, TileLists
-from omniattn.predicate import FULL, PARTIAL
 from omniattn.kernels.sequences import PackedSequences
+from omniattn.predicate import FULL, PARTIAL
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -162,11 +168,11 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
         fwd_hopper.hopper_forward(q, k, k, args, torch.empty_like(q), lse, schedule, masks, bias,
                                   *lengths, sequences)
         return
-    cfg = configs.hopper_backward_config(head_dim)
+    cfg = gluon_configs.hopper_backward_config(head_dim)
     row_stats, _, _ = bwd_hopper.backward_row_stats(batch, heads, seqlen, cfg.block_m,
                                                     q.device)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(k))
-    if configs.hopper_backward_splits_head_dim(head_dim):
+    if gluon_configs.hopper_backward_splits_head_dim(head_dim):
         if mask or bias is not None or full_lists:
             raise SystemExit(f"the Gluon backward takes no lists, masks or biases at head dim "
                              f"{head_dim}")

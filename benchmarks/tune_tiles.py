@@ -10,10 +10,10 @@ import json
 import torch
 import triton
 
-from omniattn.kernels import configs
-from omniattn.kernels.bwd import attention_backward
-from omniattn.kernels.configs import BwdTileConfig, TileConfig
-from omniattn.kernels.fwd import attention_forward
+from omniattn.backends.triton import configs
+from omniattn.backends.triton.backward import attention_backward
+from omniattn.backends.triton.configs import BwdTileConfig, TileConfig
+from omniattn.backends.triton.forward import attention_forward
 from omniattn.kernels.schedule import KernelArgs
 
 FWD_CANDIDATES = {

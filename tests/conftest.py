@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def gluon_calls(monkeypatch) -> list:
     """Records the launches of the Gluon forward ("fwd") and backward ("bwd", either kernel)."""
-    from omniattn.kernels import bwd, fwd
+    from omniattn.backends.triton import backward as bwd
+    from omniattn.backends.triton import forward as fwd
 
     calls = []
     forward, backward, wide = fwd.hopper_forward, bwd.hopper_backward, bwd.hopper_backward_wide
@@ -34,7 +35,7 @@ def gluon_calls(monkeypatch) -> list:
 def _fresh_call_plans():
     """Every test starts without call plans: a plan recorded under another test's patched
     configs or kernels would replay them."""
-    from omniattn import call_plans
+    from omniattn.runtime import call_plans
 
     call_plans.clear()
     yield

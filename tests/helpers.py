@@ -12,7 +12,7 @@ import torch
 
 import omniattn
 from omniattn import plan
-from omniattn.kernels import configs
+from omniattn.backends.triton import configs
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.masks.block_mask import FULL, PARTIAL, BlockMask
 from omniattn.reference import attention_reference
@@ -51,7 +51,7 @@ def case_id(case) -> str:
 
 
 def replace_backward_configs(monkeypatch, **changes) -> None:
-    """Every bwd.py tile config (the tuned tables, fp32's, the interpreter's) with `changes`
+    """Every the Triton backward tile config (the tuned tables, fp32's, the interpreter's) with `changes`
     (BwdTileConfig fields) applied, for the test's duration."""
     for table in (configs._BWD, configs._BWD_FULL_BIAS, configs._BWD_CAUSAL):
         for key, cfg in list(table.items()):

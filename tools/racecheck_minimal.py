@@ -1,5 +1,5 @@
 """Minimal Gluon kernels that are race-free by construction, with the structure of the attention
-kernels (fwd_hopper.py, bwd_hopper.py): shared memory and mbarriers allocated in the kernel
+kernels (the Gluon forward, the Gluon backward): shared memory and mbarriers allocated in the kernel
 entry, `gl.warp_specialize` with a default partition of 4 warps and a 1-warp worker, values and
 buffers captured by the partitions. `compute-sanitizer --tool racecheck` over them tells which
 hazard reports come from the structure itself rather than from our kernels' protocols

@@ -44,7 +44,6 @@ TMA_SEQLEN = 256  # rows of 16-byte multiples: mask and bias tiles by TMA
 DEVICE = "cuda"  # the families' tensors (tests run the calls' host side on "cpu")
 
 
-
 class Skip(Exception):
     """A family that cannot run on this machine (said in the verdict, not an error)."""
 
@@ -153,8 +152,8 @@ def _varlen():
 
 
 def _gqa_mask_full_bias():
-    # a bias per query head under explicit lists: bwd.py zeroes its unlisted tiles, and sums
-    # the GQA group's dK / dV partials
+    # a bias per query head under explicit lists: the Triton backward zeroes its unlisted tiles,
+    # and sums the GQA group's dK / dV partials
     _forward_backward(_qkv(heads=4, heads_k=2), attn_mask=_keep_mask(heads=4),
                       attn_bias=_randn(BATCH, 4, SEQLEN, SEQLEN))
 
@@ -222,9 +221,9 @@ FAMILIES = (
     Family("gluon-d256", "dense D256: fwd_hopper at 256, bwd_hopper_wide",
            ("_fwd_hopper_kernel", "_bwd_wide_kernel"), _dense(256)),
     Family("gluon-varlen", "packed sequences 120 + 80, causal", _GLUON, _varlen),
-    Family("triton-causal", "causal D128 with OMNIATTN_GLUON=0: fwd.py, bwd.py",
+    Family("triton-causal", "causal D128 with OMNIATTN_GLUON=0: the Triton forward and backward",
            _TRITON + ("bwd_preprocess",), _dense(causal=True), _OFF),
-    Family("triton-deterministic", "dense, deterministic=True: fwd_hopper forward, bwd.py "
+    Family("triton-deterministic", "dense, deterministic=True: the Gluon forward, the Triton "
            "backward", ("_fwd_hopper_kernel", "bwd_kernel"), _dense(deterministic=True)),
     Family("triton-dropout", "dense, dropout_p=0.1", _TRITON, _dense(dropout_p=0.1)),
     Family("triton-varlen", "packed sequences, causal, OMNIATTN_GLUON=0", _TRITON, _varlen,
@@ -277,9 +276,6 @@ def run_child(name: str) -> int:
                   skipped=skipped)
     print(CHILD_TAG + json.dumps(report), flush=True)
     return 0
-
-
-
 
 
 @dataclasses.dataclass
@@ -354,7 +350,6 @@ def verdict(family: str, tool: str, log_text: str, child_output: str, returncode
         if count == 0:
             outcome.status = "error"
     return outcome
-
 
 
 def find_sanitizer(given: str | None) -> str | None:

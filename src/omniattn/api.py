@@ -7,15 +7,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import call_plans
 from .autograd import (attention_with_graph, forward_parts, kernel_inputs, records_graph,
                        triton_attention)
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, length_order
-from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call,
-                   reference_plan, uses_kernels)
+from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call, reference_plan,
+                   uses_kernels)
 from .reference import attention_reference
+from .runtime import call_plans
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
                          check_options, check_packed, check_qkv, check_row_lens, known_checked)

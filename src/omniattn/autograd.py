@@ -8,13 +8,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import call_plans
-from .kernels.bwd import attention_backward
+from .backends.triton.backward import attention_backward
+from .backends.triton.forward import attention_forward
 from .kernels.elementwise import Elementwise
-from .kernels.fwd import attention_forward
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, lse_shape
-
+from .runtime import call_plans
 
 
 class ForwardCall(NamedTuple):

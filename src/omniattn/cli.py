@@ -14,10 +14,10 @@ import torch
 import triton
 
 import omniattn
-from omniattn.bench import (MODES, PROVIDERS, SUITES, default_workloads, device_name,
-                            format_table, load_records, plot_results, run_suite, write_json)
-from omniattn.kernels.configs import interpreting, switches
+from omniattn.bench import (MODES, PROVIDERS, SUITES, default_workloads, device_name, format_table,
+                            load_records, plot_results, run_suite, write_json)
 from omniattn.reference import attention_reference
+from omniattn.runtime.switches import interpreting, switches
 
 
 def _current_device() -> torch.device:

@@ -13,24 +13,25 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.bwd import GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD
-from .kernels.bwd_hopper import hopper_backward_refusal
-from .kernels.configs import (backward_config, forward_config, hopper_backward_config,
-                              hopper_backward_splits_head_dim, hopper_forward_config,
-                              interpreting, tma_enabled)
+from .backends.gluon_sm90.backward import hopper_backward_refusal
+from .backends.gluon_sm90.blocks import gluon_refusal
+from .backends.gluon_sm90.configs import (hopper_backward_config, hopper_backward_splits_head_dim,
+                                          hopper_forward_config)
+from .backends.gluon_sm90.forward import hopper_forward_refusal
+from .backends.triton.backward import GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD
+from .backends.triton.configs import backward_config, forward_config
+from .backends.triton.forward import GLUON_FORWARD, TRITON_FORWARD
 from .kernels.elementwise import Elementwise
-from .kernels.fwd import GLUON_FORWARD, TRITON_FORWARD
-from .kernels.fwd_hopper import hopper_forward_refusal
-from .kernels.gluon_blocks import gluon_refusal
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, tma_compatible
 from .predicate import RelativePredicate
+from .runtime.switches import interpreting, tma_enabled
 
 REFERENCE = "reference"
-# an element mask's lists with a left window bound keep fwd.py's 64 x 64 tiles, which waste
-# less of the window's edges than the Gluon 128 x 128 ones. H100, B2 H16 4k, a 75% random mask
+# an element mask's lists with a left window bound keep the Triton forward's 64 x 64 tiles, which
+# waste less of the window's edges than the Gluon 128 x 128 ones. H100, B2 H16 4k, a 75% random mask
 # + key bias, window (1024, 0), forward kernel ms: 0.284-0.288 / 0.297-0.303 Gluon
-_LEFT_WINDOW_MASK = "an element mask with a left window bound keeps fwd.py's finer tiles " \
+_LEFT_WINDOW_MASK = "an element mask with a left window bound keeps the Triton forward's finer " \
     "(0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
 
 
@@ -125,7 +126,7 @@ class ListTiles:
     forward: tuple[int, int]
     dq: tuple[int, int]
     dkdv: tuple[int, int]
-    launch: tuple[tuple[int, int], tuple[int, int]]  # (warps, stages) of fwd.py, bwd.py
+    launch: tuple[tuple[int, int], tuple[int, int]]  # (warps, stages) of the Triton fwd, bwd
     gluon_refusal: str | None
 
 
@@ -148,7 +149,7 @@ def _sparse(form: CallForm) -> bool:
 def _gluon_lists_refusal(form: CallForm) -> str | None:
     """Why the forward lists are not built at the Gluon forward's tiles (None where they are)."""
     if form.row_lens is not None:
-        return "per-row key lengths with other masks (their lists at fwd.py's tiles)"
+        return "per-row key lengths with other masks (their lists at the Triton forward's tiles)"
     if form.packed is not None:
         return "packed sequences with a mask"
     if form.dropout:
@@ -173,8 +174,8 @@ def _gluon_lists_refusal(form: CallForm) -> str | None:
 
 def list_tiles(form: CallForm) -> ListTiles:
     """The tiles of an explicit schedule's lists, each pass at its kernel's: the forward's at
-    the Gluon forward's where it can walk them, the backward's at bwd.py's (which the Gluon
-    backward shares); a block mask's tiles divide its blocks."""
+    the Gluon forward's where it can walk them, the backward's at the Triton backward's (which
+    the Gluon backward shares); a block mask's tiles divide its blocks."""
     head_dim, dtype = form.q.shape[-1], form.q.dtype
     refusal = _gluon_lists_refusal(form)
     elementwise = form.mask is not None or form.bias is not None
@@ -223,7 +224,7 @@ def _schedule_name(form: CallForm) -> str:
 
 
 def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tuple[int, int]:
-    """The tiles fwd.py / bwd.py (its dK/dV programs) run this call at."""
+    """The tiles the Triton forward / the Triton backward (its dK/dV programs) run this call at."""
     head_dim, dtype, args = form.q.shape[-1], form.q.dtype, form.args
     if lists is not None:
         return lists.dkdv if backward else lists.forward
@@ -253,7 +254,7 @@ def _call_refusal(form: CallForm) -> str | None:
 
 
 def forward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
-    """The forward's kernel: the Gluon forward where it applies, else fwd.py."""
+    """The forward's kernel: the Gluon forward where it applies, else the Triton forward."""
     refusal = _call_refusal(form)
     if refusal is None:
         schedule_tiles = lists.forward if lists is not None else None
@@ -292,8 +293,8 @@ def _gluon_backward_refusal(form: CallForm, lists: ListTiles | None) -> str | No
 
 
 def backward_pass(form: CallForm, lists: ListTiles | None) -> PassPlan:
-    """The backward's kernel: a Gluon backward where one applies, else bwd.py (deterministic:
-    every gradient written once, in a fixed order)."""
+    """The backward's kernel: a Gluon backward where one applies, else the Triton backward
+    (deterministic: every gradient written once, in a fixed order)."""
     refusal = _gluon_backward_refusal(form, lists)
     schedule = _schedule_name(form)
     head_dim = form.q.shape[-1]

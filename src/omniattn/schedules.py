@@ -7,15 +7,15 @@ import math
 
 import torch
 
-from .kernels.configs import interpreting
 from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                   mask_tile_states, row_length_states, states_schedule)
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import batch_shape
 from .plan import CallForm, ListTiles
 from .predicate import RelativePredicate, coarsen_states
+from .runtime.switches import interpreting
 
-SMALLEST_MASK_TILE = 64  # the bf16/fp16 tiles of masked schedules (configs.py) are 64 or 128
+SMALLEST_MASK_TILE = 64  # the bf16/fp16 tiles of masked schedules (Triton configs) are 64 or 128
 
 
 def kernel_block_mask(block_mask, args: KernelArgs, attn_mask, row_lens, packed):

@@ -9,7 +9,8 @@ import torch
 from triton import knobs
 
 import omniattn
-from omniattn import api, call_plans
+from omniattn import api
+from omniattn.runtime import call_plans
 
 GPU = torch.cuda.is_available()
 
@@ -262,7 +263,7 @@ def test_replays_encode_each_descriptor_for_its_own_pointers(monkeypatch):
     """Replays alternating between three sets of inputs (other pointers each call) give each
     call its own tensor maps: kept per pointer (fewer encodes), or encoded again each time when
     one map per descriptor is kept; both match the calls without plans."""
-    from omniattn.kernels import launch as launch_module
+    from omniattn.runtime import launch as launch_module
 
     encodes = []
     encode = launch_module.make_tensordesc_arg
@@ -403,7 +404,7 @@ def fake_kernel(monkeypatch):
     """A stand-in kernel, launched through `kernels.launch` as on a GPU."""
     import types
 
-    from omniattn.kernels import launch as launch_module
+    from omniattn.runtime import launch as launch_module
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -418,7 +419,7 @@ def test_recorded_launches_point_into_each_calls_tensors(fake_kernel):
     """Record (second call) and replay (later calls) on the CPU with a stand-in kernel: every
     pointer a replay passes is the one the call itself would pass, at the same offsets into
     its inputs and its own (fresh, zeroed where the call zeroed) buffers."""
-    from omniattn.kernels.launch import launch
+    from omniattn.runtime.launch import launch
 
     kernel = fake_kernel
     buffers = []
@@ -466,7 +467,7 @@ def test_replayed_operations_and_structured_results(fake_kernel):
     """A call that copies, sums and casts between launches and returns a structure (an input
     itself, a view of its own buffer, a constant list): a replay repeats the operations on the
     new call's tensors in their place and rebuilds the structure."""
-    from omniattn.kernels.launch import launch
+    from omniattn.runtime.launch import launch
 
     calls = []
 

@@ -3,13 +3,14 @@ refused. On a CPU the Hopper cases plan as on an sm90 GPU (the device check patc
 is launched."""
 from __future__ import annotations
 
+from helpers import DEVICE, GPU
 import pytest
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU
 from omniattn import api, plan
-from omniattn.kernels import configs, gluon_blocks
+from omniattn.backends.gluon_sm90 import blocks as gluon_blocks
+from omniattn.backends.triton import configs
 
 
 @pytest.fixture
@@ -129,7 +130,8 @@ def test_explain_validates_like_attention():
 
 def test_the_call_runs_what_the_plan_says(monkeypatch):
     """attention launches the kernels its plan names (here under the interpreter: fwd / bwd)."""
-    from omniattn.kernels import bwd, fwd
+    from omniattn.backends.triton import backward as bwd
+    from omniattn.backends.triton import forward as fwd
 
     launched = []
     forward, backward = fwd.attention_forward, bwd.attention_backward

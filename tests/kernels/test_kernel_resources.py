@@ -45,7 +45,7 @@ def test_forward_resources_of_the_tuned_config(tmp_path):
 @pytest.mark.parametrize("flags", [["--mask"], ["--bias", "full"], ["--mask", "--bias", "key"]],
                          ids=["mask", "full_bias", "mask_key_bias"])
 def test_forward_with_masks_at_head_dim_256_fits_shared_memory(flags):
-    """fwd.py at head dim 256 (and 192, padded to it) with a mask or bias, through tensor
+    """the Triton forward at head dim 256 (and 192, padded to it) with a mask or bias, through tensor
     descriptors: its tiles fit the H100's 227 KB of shared memory (three stages did not)."""
     out = _run_tool("--kernel", "fwd", "--head-dim", "256", "--seqlen", "256", *flags)
     report = dict(re.findall(r"(\w+)=(\w+)", out))

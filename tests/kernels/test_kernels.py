@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import itertools
 
+from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
+                     replace_backward_configs)
 import pytest
 import torch
 
-from helpers import (DEVICE, GPU, case_id, check_against_reference, random_qkv,
-                     replace_backward_configs)
 import omniattn
 from omniattn import plan
-from omniattn.kernels import bwd_hopper, configs
-from omniattn.kernels.bwd import attention_backward
-from omniattn.kernels.fwd import attention_forward
+from omniattn.backends.gluon_sm90 import backward as bwd_hopper
+from omniattn.backends.triton import configs
+from omniattn.backends.triton.backward import attention_backward
+from omniattn.backends.triton.forward import attention_forward
 from omniattn.kernels.schedule import KernelArgs
 
 MASKS = {
@@ -166,7 +167,7 @@ GLUON_CASES = [(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "causal", 0.0),
                (1, 255, 113, 4, 2, 128, torch.bfloat16, "causal", 0.0),
                (2, 1, 17, 4, 1, 128, torch.float16, "dense", 0.0),
                # head dim 256: the forward at 64-key tiles in two K/V buffers, the backward
-               # with dK / dV / dQ split by head dim (bwd_hopper_wide.py); 512 x 512: the
+               # with dK / dV / dQ split by head dim (the wide Gluon backward); 512 x 512: the
                # tensors seen as (B * S, H * D) by TMA
                (2, 1000, 1000, 8, 2, 256, torch.bfloat16, "causal", 0.0),
                (1, 513, 2049, 4, 1, 256, torch.float16, "dense", 0.0),
@@ -332,8 +333,8 @@ def test_gluon_head_major_layout(gluon_calls, seqlen, head_dim):
                                   (2, 113, 255, 8, 8, 128, torch.float16, "causal", 0.0)],
                          ids=["dense", "causal"])
 def test_triton_kernels_where_gluon_applies(monkeypatch, case):
-    """OMNIATTN_GLUON=0: the calls the Gluon kernels take on sm90 stay exact in fwd.py and
-    bwd.py."""
+    """OMNIATTN_GLUON=0: the calls the Gluon kernels take on sm90 stay exact in the Triton forward and
+    the Triton backward."""
     monkeypatch.setenv("OMNIATTN_GLUON", "0")
     check_case(*case)
 
@@ -393,7 +394,7 @@ def test_dkdv_in_two_programs(monkeypatch, case, atomic_dq):
 def test_causal_only_backward_tiles(monkeypatch, options, causal_only):
     """Only calls whose sole mask is causal ask for `configs._BWD_CAUSAL`'s tiles (D256's need
     more shared memory with any other mask, option or explicit schedule)."""
-    from omniattn.kernels import bwd
+    from omniattn.backends.triton import backward as bwd
 
     asked = []
 

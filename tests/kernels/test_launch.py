@@ -3,13 +3,13 @@ pick the same one."""
 import pytest
 import torch
 import triton
-import triton.language as tl
 from triton import knobs
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from omniattn.kernels import launch as launch_module
-from omniattn.kernels.launch import arguments_key, launch
+from omniattn.runtime import launch as launch_module
+from omniattn.runtime.launch import arguments_key, launch
 
 GPU = torch.cuda.is_available()
 

@@ -6,12 +6,12 @@ element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
+from helpers import (DEVICE, GPU, case_id, check_against_reference, element_visibility,
+                     random_block_mask, random_qkv, replace_backward_configs)
 import pytest
 import torch
 
 import omniattn
-from helpers import (DEVICE, GPU, case_id, check_against_reference, element_visibility,
-                     random_block_mask, random_qkv, replace_backward_configs)
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +111,7 @@ if GPU:
     CASES += [(b, sq, sk, h, hk, d, torch.bfloat16, mf, md, bf, c, w, cap)
               for (b, sq, sk, h, hk, d, dt, mf, md, bf, c, w, cap) in CASES
               if dt == torch.float16]
-    # causal at head dim 256: the masked tiles of bwd.py's D256 config
+    # causal at head dim 256: the masked tiles of the Triton backward's D256 config
     CASES.append((2, 300, 410, 4, 2, 256, torch.bfloat16, "bhqs", torch.bool, "bh1s", True, None,
                   0.0))
 
@@ -206,7 +206,7 @@ GLUON_CASES = [
     (1, 200, 256, 4, 4, torch.float16, "bhqs", torch.uint8, "b1q1", False, None, True),
     # left window bounds: biases on the implicit schedule (a (Sq, Sk) dbias zeroed in the tiles
     # left and right of the window; with GQA and without), and masks, whose lists take the
-    # Gluon backward (its PARTIAL tiles apply the left bound) and fwd.py's forward
+    # Gluon backward (its PARTIAL tiles apply the left bound) and the Triton forward's forward
     # (`schedules.build_schedule`), one with rows that see no key
     (1, 512, 520, 4, 2, torch.bfloat16, None, None, "bhqs", False, (100, 150), False),
     (1, 300, 410, 4, 4, torch.bfloat16, None, None, "bhqs", False, (100, 50), False),
@@ -236,7 +236,7 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
     expected = ([] if spans and seqlen_k % 8 else ["fwd"]) \
         + ([] if spans and bias_form[1] != "h" else ["bwd"])
     if window is not None and window[0] >= 0 and mask_form is not None:
-        expected.remove("fwd")  # fwd.py's finer tiles for lists with a left bound
+        expected.remove("fwd")  # the Triton forward's finer tiles for lists with a left bound
     assert gluon_calls == expected, f"Gluon launches: {gluon_calls}"
 
 
@@ -249,8 +249,8 @@ def test_gluon_with_mask_and_bias(gluon_calls, case):
 ], ids=case_id)
 def test_gluon_forward_head_dim_256_with_mask_and_bias(gluon_calls, case):
     """Head dim 256: the Gluon forward walks an element mask's lists (its consumers load the
-    mask) with a key / broadcast bias; a bias spanning (Sq, Sk) stays in fwd.py (no tiles for
-    it); the backward is bwd.py's."""
+    mask) with a key / broadcast bias; a bias spanning (Sq, Sk) stays in the Triton forward (no tiles for
+    it); the backward is the Triton backward's."""
     (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
      window, degenerate) = case
     run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 256, dtype, mask_form, mask_dtype,
@@ -275,8 +275,8 @@ def test_gluon_forward_head_dim_256_with_mask_and_bias(gluon_calls, case):
 def test_gluon_backward_head_dim_64_with_mask_and_bias(gluon_calls, case):
     """Head dim 64: biases (per key, (Sq, Sk) per query head with a fifth -inf, one column)
     with their gradients take the Gluon backward on its implicit schedule (multi-tile, GQA,
-    odd lengths, a left window bound); an element mask's lists are at bwd.py's tiles, so that
-    call stays there. The forward is fwd.py's."""
+    odd lengths, a left window bound); an element mask's lists are at the Triton backward's tiles, so that
+    call stays there. The forward is the Triton forward's."""
     (batch, seqlen_q, seqlen_k, heads, heads_k, dtype, mask_form, mask_dtype, bias_form, causal,
      window, degenerate) = case
     run_case(batch, seqlen_q, seqlen_k, heads, heads_k, 64, dtype, mask_form, mask_dtype,
@@ -371,7 +371,8 @@ def test_mask_tile_skipping():
     """Key tiles the mask hides are never loaded (NaN keys there do not leak), and the
     all-kept tiles are FULL: the schedule lists match the mask's tile picture."""
     from helpers import explicit_schedule
-    from omniattn.kernels.configs import forward_config
+
+    from omniattn.backends.triton.configs import forward_config
     from omniattn.kernels.schedule import KernelArgs
 
     seqlen = 512 if GPU else 64
@@ -399,6 +400,7 @@ def test_forward_without_gradients():
     """No gradient will flow (no_grad, or no input requiring one): only the forward's lists are
     built, and the output is the one a differentiable call gives."""
     from helpers import explicit_schedule
+
     from omniattn.kernels.schedule import KernelArgs
 
     seqlen = 300 if GPU else 40
@@ -448,12 +450,13 @@ def test_mask_schedule_is_sound(monkeypatch, form, causal, window, lengths, one_
     one_launch: `mask_forward_schedule`, whose pre-pass programs build the forward's lists
     (masks spanning (Sq, Sk)), a row by the last of its programs (16 keys a program: several
     tile groups per row)."""
+    from helpers import predicate
+
     from omniattn.kernels import elementwise
     from omniattn.kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
                                               mask_tile_states, states_schedule)
     from omniattn.kernels.schedule import KernelArgs
     from omniattn.predicate import blocks_from_lists
-    from helpers import predicate
 
     (batch, heads, heads_k), (seqlen_q, seqlen_k) = (2, 4, 2), lengths
     generator = torch.Generator().manual_seed(len(form) + causal)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from helpers import DEVICE, GPU, case_id, check_against_reference, random_block_mask, random_qkv
 import pytest
+from test_mask_bias import (exact_tile_states, nan_poisoned_memory,  # noqa: F401 (autouse fixture)
+                            run_and_check)
 import torch
 
 import omniattn
-from helpers import DEVICE, GPU, case_id, check_against_reference, random_block_mask, random_qkv
-from test_mask_bias import (exact_tile_states, nan_poisoned_memory,  # noqa: F401 (autouse fixture)
-                            run_and_check)
 
 SCALE = 7 if GPU else 1  # GPU shapes span several 64/128 tiles, interpreter ones 16-tiles
 
@@ -130,7 +130,7 @@ def test_lengths_alone_group_rows(monkeypatch, deterministic):
     tile's range from the lengths (no lists). Both dQ paths (atomics switched on everywhere:
     deterministic=True must keep the dQ programs), GQA, rows of length 0 and Sk, a length
     shared by many rows, a last query tile cut short."""
-    from omniattn.kernels import configs
+    from omniattn.backends.triton import configs
 
     for key, cfg in list(configs._BWD.items()):
         monkeypatch.setitem(configs._BWD, key, dataclasses.replace(cfg, atomic_dq=True))
@@ -193,6 +193,7 @@ def test_row_length_tile_skipping():
     """Key tiles past every row's length are never loaded (NaN keys there do not leak) and the
     lists match the exact tile picture of the lengths: FULL tiles all visible, unlisted empty."""
     from helpers import explicit_schedule
+
     from omniattn.kernels.schedule import KernelArgs
     from omniattn.predicate import blocks_from_lists
 
@@ -315,7 +316,7 @@ def test_gluon_varlen(gluon_calls, case):
     """Packed sequences on the Gluon kernels: tiles read from each sequence's first row (what a
     tile reads of the next sequence dropped), out / dK / dV of a tile cut by the sequence's end
     stored without TMA, dQ summed at each sequence's rows. At head dim 64 the forward is
-    fwd.py's (the Gluon one takes plain calls only there)."""
+    the Triton forward's (the Gluon one takes plain calls only there)."""
     run_varlen(*case, with_row_lens=False)
     assert gluon_calls == (["bwd"] if case[4] == 64 else ["fwd", "bwd"]), gluon_calls
 
@@ -363,7 +364,7 @@ def test_backward_is_deterministic():
 
 def test_row_order_is_for_lengths_alone():
     """The launchers refuse a row order next to a term indexed by the caller's rows."""
-    from omniattn.kernels.fwd import attention_forward
+    from omniattn.backends.triton.forward import attention_forward
     from omniattn.kernels.schedule import KernelArgs
 
     q, k, v = random_qkv(1, 20, 20, 2, 2, 16, torch.float16, requires_grad=False)

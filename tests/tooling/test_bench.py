@@ -7,15 +7,15 @@ import torch
 
 import omniattn
 from omniattn import api, bench
+from omniattn.backends.gluon_sm90 import blocks as gluon_blocks
+from omniattn.backends.triton import configs
 from omniattn.bench import plot, report, timing
 from omniattn.bench.pairs import (block_mask_pairs, computed_pairs, element_mask_pairs,
                                   row_lengths_pairs, visible_pairs, workload_pairs)
-from omniattn.bench.providers import (BuiltAttention, forward_plan, provider_builders,
-                                      providers_for)
+from omniattn.bench.providers import BuiltAttention, forward_plan, provider_builders, providers_for
 from omniattn.bench.workloads import (DOCUMENTS, DYNAMIC_BIASES, ROW_LENGTHS, SPARSE_DENSITIES,
                                       ExtraInputs, make_inputs, workload_block_mask,
                                       workload_documents, workload_row_lengths)
-from omniattn.kernels import configs, gluon_blocks
 from omniattn.predicate import RelativePredicate
 
 

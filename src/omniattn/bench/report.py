@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 import platform
 import subprocess
-from pathlib import Path
 
 import torch
 import triton
 
 import omniattn
-from omniattn.kernels.configs import interpreting, switches
+from omniattn.runtime.switches import interpreting, switches
 
 from .providers import BLOCK_MASK_PROVIDERS, ELEMENT_MASK_PROVIDERS
 from .workloads import DOCUMENTS, DYNAMIC_BIASES, ROW_LENGTHS

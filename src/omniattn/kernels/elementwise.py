@@ -2,19 +2,19 @@
 and the pre-pass that turns the mask into tile states for the schedule."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import implicit_kv_range, implicit_q_range, sequence_bounds
-from .configs import cdiv, next_power_of_2
-from .launch import launch
 from ..predicate import FULL, HIDDEN, PARTIAL
+from ..runtime.launch import launch
+from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .schedule import KernelArgs, Schedule, TileLists
 from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
+from .sizes import cdiv, next_power_of_2
 
 _HIDDEN, _PARTIAL, _FULL = tl.constexpr(HIDDEN), tl.constexpr(PARTIAL), tl.constexpr(FULL)
 

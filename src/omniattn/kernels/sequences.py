@@ -4,16 +4,17 @@ arguments: a packed tensor has batch stride 0 and the kernel offsets each sequen
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import cdiv, interpreting
-from .launch import launch
+from ..runtime.launch import launch
+from ..runtime.switches import interpreting
+from .sizes import cdiv
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, implicit_q_range,
-                     length_kv_range, length_q_range, load_pair_tile, load_rows, row_key_end,
-                     schedule_phase, schedule_rows, scores_log2, sequence_bounds, store_pair_tile,
-                     visible_elements)
+from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
+                               implicit_q_range, length_kv_range, length_q_range, load_pair_tile,
+                               load_rows, row_key_end, schedule_phase, schedule_rows, scores_log2,
+                               sequence_bounds, store_pair_tile, visible_elements)
 
 
 @triton.jit

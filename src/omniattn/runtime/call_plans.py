@@ -24,9 +24,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 
-from .kernels import launch as launch_module
-from .kernels.configs import gluon_enabled, interpreting, switch_on, tma_enabled
-from .kernels.sequences import descriptor_workspace
+from . import launch as launch_module
+from ..kernels.sequences import descriptor_workspace
+from .switches import gluon_enabled, interpreting, switch_on, tma_enabled
 
 aten = torch.ops.aten
 _EMPTY = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,

@@ -22,16 +22,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
-from .configs import cdiv, hopper_forward_config
-from .elementwise import Elementwise
-from .gluon_blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows,
-                           flat_view_bounds, gather_rows, gluon_refusal, hand_over, handed,
-                           load_tile, producer_tiles, scatter_rows, tile_at)
-from .launch import launch
-from .schedule import KernelArgs, TileLists
-from .sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
-                        row_lens_operands, row_strides, tma_compatible)
+from ...kernels.common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
+from ...kernels.elementwise import Elementwise
+from ...kernels.schedule import KernelArgs, TileLists
+from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
+                                  row_lens_operands, row_strides, tma_compatible)
+from ...kernels.sizes import cdiv
+from ...runtime.launch import launch
+from .blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows, flat_view_bounds,
+                     gather_rows, gluon_refusal, hand_over, handed, load_tile, producer_tiles,
+                     scatter_rows, tile_at)
+from .configs import hopper_forward_config
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)

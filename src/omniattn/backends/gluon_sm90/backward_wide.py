@@ -20,15 +20,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .bwd_hopper import (async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
-                         stats_descriptor)
-from .common import implicit_q_range
-from .configs import cdiv, hopper_backward_config
-from .gluon_blocks import descriptor, flat_launch, flat_view_bounds
-from .launch import launch
-from .schedule import KernelArgs
-from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
-                        row_strides, rows_to_callers)
+from ...kernels.common import implicit_q_range
+from ...kernels.schedule import KernelArgs
+from ...kernels.sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
+                                  row_strides, rows_to_callers)
+from ...kernels.sizes import cdiv
+from ...runtime.launch import launch
+from .backward import (async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
+                       stats_descriptor)
+from .blocks import descriptor, flat_launch, flat_view_bounds
+from .configs import hopper_backward_config
 
 BOX = 64  # rows and columns of every box (64 bf16 columns: a 128-byte swizzle's row)
 

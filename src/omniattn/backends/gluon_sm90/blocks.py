@@ -12,12 +12,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import sequence_bounds
-from .configs import (compute_capability, gluon_enabled, hopper_backward_config,
-                      hopper_forward_config, interpreting)
-from .elementwise import Elementwise
-from .schedule import KernelArgs
-from .sequences import tma_compatible
+from ...kernels.common import sequence_bounds
+from ...kernels.elementwise import Elementwise
+from ...kernels.schedule import KernelArgs
+from ...kernels.sequences import tma_compatible
+from ...runtime.switches import compute_capability, gluon_enabled, interpreting
+from .configs import hopper_backward_config, hopper_forward_config
 
 
 @gluon.jit

@@ -15,11 +15,11 @@ import threading
 import torch
 from triton import knobs
 from triton.backends.nvidia.driver import make_tensordesc_arg
-from triton.runtime import _allocation, driver
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from triton.runtime import _allocation, driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import interpreting
+from .switches import interpreting
 
 _PLAIN = frozenset((int, float, bool, type(None), str, torch.dtype))
 _DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)

@@ -12,18 +12,19 @@ import math
 
 import torch
 
-from .bwd_hopper import backward_row_stats, hopper_backward
-from .bwd_kernels import bwd_kernel, bwd_preprocess, sum_kv_parts, zero_unlisted_kernel
-from .bwd_hopper_wide import hopper_backward_wide
-from .configs import (DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config, cdiv,
-                      hopper_backward_config, next_power_of_2, padded_head_dim)
-from .elementwise import Elementwise
-from .gluon_blocks import flat_rows
-from .launch import launch
-from .schedule import BlockBits, KernelArgs, Schedule, TileLists
-from .sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
-                        lse_strides, packed_operands, placeholder, row_lens_operands, row_strides,
-                        tma_compatible)
+from ...kernels.elementwise import Elementwise
+from ...kernels.schedule import BlockBits, KernelArgs, Schedule, TileLists
+from ...kernels.sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
+                                  lse_strides, packed_operands, placeholder, row_lens_operands,
+                                  row_strides, tma_compatible)
+from ...kernels.sizes import cdiv, next_power_of_2, padded_head_dim
+from ...runtime.launch import launch
+from ..gluon_sm90.backward import backward_row_stats, hopper_backward
+from ..gluon_sm90.backward_wide import hopper_backward_wide
+from ..gluon_sm90.blocks import flat_rows
+from ..gluon_sm90.configs import hopper_backward_config
+from .backward_kernels import bwd_kernel, bwd_preprocess, sum_kv_parts, zero_unlisted_kernel
+from .configs import DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, backward_config
 
 GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD = "bwd_hopper", "bwd_hopper_wide", "bwd"
 

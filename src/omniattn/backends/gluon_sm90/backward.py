@@ -22,25 +22,26 @@ are plain loads into the S^T layout, issued before the step's waits. Everything 
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
-from triton._C.libtriton import ir
 
-from .common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
-from .configs import (causal_pairs_per_group, cdiv, hopper_backward_config,
-                      hopper_backward_dq_trails, hopper_backward_p_rounding,
-                      hopper_backward_splits_head_dim, sm_count)
-from .elementwise import Elementwise
-from .gluon_blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows,
-                           flat_view_bounds, gluon_refusal, hand_over, handed, load_tile,
-                           producer_tiles, scatter_rows, tensor_descriptor, tile_at)
-from .launch import launch
-from .schedule import KernelArgs, TileLists
-from .sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
-                        row_strides, rows_to_callers, tma_compatible)
+from ...kernels.common import implicit_q_range, load_pair_tile, schedule_rows, store_pair_tile
+from ...kernels.elementwise import Elementwise
+from ...kernels.schedule import KernelArgs, TileLists
+from ...kernels.sequences import (PackedSequences, batch_shape, packed_operands, row_lens_operands,
+                                  row_strides, rows_to_callers, tma_compatible)
+from ...kernels.sizes import cdiv
+from ...runtime.launch import launch
+from ...runtime.switches import sm_count
+from .blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows, flat_view_bounds,
+                     gluon_refusal, hand_over, handed, load_tile, producer_tiles, scatter_rows,
+                     tensor_descriptor, tile_at)
+from .configs import (causal_pairs_per_group, hopper_backward_config, hopper_backward_dq_trails,
+                      hopper_backward_p_rounding, hopper_backward_splits_head_dim)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 

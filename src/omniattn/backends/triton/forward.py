@@ -6,17 +6,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range, length_kv_range,
-                     load_pair_tile, load_rows, row_key_end, schedule_phase, schedule_rows,
-                     scores_log2, sequence_bounds, visible_elements)
-from .configs import DROPOUT_MAX_STAGES, cdiv, forward_config, padded_head_dim, tma_enabled
-from .elementwise import Elementwise
-from .fwd_hopper import hopper_forward
-from .launch import launch
-from .schedule import BlockBits, KernelArgs, TileLists
-from .sequences import (PackedSequences, batch_shape, check_row_order, lse_shape, lse_strides,
-                        packed_operands, row_lens_operands, row_strides, tma_compatible,
-                        descriptor_workspace)
+from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
+                               length_kv_range, load_pair_tile, load_rows, row_key_end,
+                               schedule_phase, schedule_rows, scores_log2, sequence_bounds,
+                               visible_elements)
+from ...kernels.elementwise import Elementwise
+from ...kernels.schedule import BlockBits, KernelArgs, TileLists
+from ...kernels.sequences import (PackedSequences, batch_shape, check_row_order,
+                                  descriptor_workspace, lse_shape, lse_strides, packed_operands,
+                                  row_lens_operands, row_strides, tma_compatible)
+from ...kernels.sizes import cdiv, padded_head_dim
+from ...runtime.launch import launch
+from ...runtime.switches import tma_enabled
+from ..gluon_sm90.forward import hopper_forward
+from .configs import DROPOUT_MAX_STAGES, forward_config
 
 GLUON_FORWARD, TRITON_FORWARD = "fwd_hopper", "fwd"  # the kernels a plan names
 

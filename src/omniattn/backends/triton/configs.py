@@ -1,0 +1,162 @@
+"""Tile configurations of the Triton kernels (forward.py, backward.py).
+
+Each GPU entry keeps one line of why, with the number that chose it (bf16, triton 3.6); the
+sweeps behind them are in docs/perf/tiles.md. Under TRITON_INTERPRET=1 tiles are 16 so tiny test
+shapes span many tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.sizes import padded_head_dim
+from ...runtime.switches import interpreting
+from ..gluon_sm90.configs import hopper_forward_config
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Forward tiles: query rows x key columns per program."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdTileConfig:
+    """Backward tiles: dK/dV programs hold block_n1 keys and walk block_m1 query rows at a time;
+    dQ programs hold block_m2 queries and walk block_n2 keys at a time. atomic_dq: unless the
+    caller asks for determinism, the dK/dV programs add dQ into an fp32 buffer (atomics) and no
+    dQ programs run. dkdv_apart: dV and dK of a key tile come from two programs (one fp32
+    accumulator each; the dK program recomputes S and P)."""
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+    atomic_dq: bool = False
+    dkdv_apart: bool = False
+
+
+_INTERPRETER = TileConfig(16, 16, 1, 1)
+# the interpreter runs the atomic dQ path (test_deterministic_backward the other one)
+_INTERPRETER_BWD = BwdTileConfig(16, 16, 16, 16, 1, 1, atomic_dq=True)
+# forward (forward.py), keyed by (padded head dim, masked = causal or window). H200, B2 H16 4k,
+# forward ms (benchmarks/tune_tiles.py); D32 has not been swept and follows D64.
+_FWD = {
+    (32, False): TileConfig(128, 128, 4, 3),
+    (32, True): TileConfig(64, 64, 4, 3),
+    (64, False): TileConfig(128, 128, 4, 3),  # 0.336 ms; (128, 128, 8, 3) 0.407
+    (64, True): TileConfig(64, 64, 4, 3),  # 0.215 ms; (128, 64, 4, 3) 0.231
+    (128, False): TileConfig(128, 128, 8, 3),  # 0.587 ms; (128, 64, 4, 3) 1.13
+    (128, True): TileConfig(64, 64, 4, 3),  # 0.338 ms; (128, 128, 8, 3) 0.361
+    (256, False): TileConfig(128, 64, 8, 2),  # 1.22 ms; (64, 64, 4, 2) 2.2
+    (256, True): TileConfig(128, 64, 8, 2),  # 0.697 ms; (64, 64, 4, 3) 0.804
+}
+# Hopper, q/k/v/out through tensor descriptors (TMA), keyed like _FWD. H100, B2 H16 4k (D128
+# dense also B1 H16 16k), forward ms; "pointers": _FWD's entry without descriptors
+_FWD_TMA = {
+    (64, False): TileConfig(128, 128, 4, 3),  # 0.437 ms; pointers 0.509, (128, 128, 8, 3) 0.439
+    (64, True): TileConfig(64, 64, 4, 3),  # 0.253 ms; pointers 0.399, (128, 64, 4, 3) 0.379
+    (128, False): TileConfig(128, 128, 8, 3),  # 0.547 / 4.29 ms (16k); pointers 0.580 / 4.25
+    (128, True): TileConfig(64, 64, 4, 3),  # 0.336 ms; pointers 0.346, (128, 128, 8, 3) 0.378
+    (256, False): TileConfig(128, 64, 8, 2),  # 1.149 ms; pointers 1.272, (64,64,4,2) specialised 1.81
+    (256, True): TileConfig(64, 64, 4, 3),  # 0.640 ms; pointers 0.730, (128, 64, 8, 2) 0.668
+}
+# backward (backward.py), keyed like _FWD: (block_m1, block_n1, block_m2, block_n2, warps, stages),
+# pointer loads (through descriptors the H100 took 1.914 against 1.733 ms dense 4k). B2 H16 4k,
+# backward ms (D128: the first sweep, H200; D64 / D256: H100, by profiler)
+_BWD = {
+    (32, False): BwdTileConfig(32, 64, 64, 32, 4, 3),
+    (32, True): BwdTileConfig(32, 64, 64, 32, 4, 3),
+    (64, False): BwdTileConfig(64, 64, 64, 64, 4, 3),  # 0.914 ms; (32, 64, 64, 32, 4, 3) 0.965
+    (64, True): BwdTileConfig(32, 64, 64, 32, 4, 3),  # 0.514 ms; (64, 64, 64, 64, 4, 3) 0.519
+    (128, False): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.764 ms; (64, 64, 64, 64, 4, 2) 2.36
+    (128, True): BwdTileConfig(64, 128, 128, 64, 8, 3),  # 1.007 ms; (64, 64, 64, 64, 4, 2) 1.07
+    # dV and dK programs apart: 4.94 ms dense; together (64, 32, 32, 64, 4, 2) 7.69
+    (256, False): BwdTileConfig(32, 64, 64, 32, 4, 3, dkdv_apart=True),
+    (256, True): BwdTileConfig(32, 64, 64, 32, 4, 3, dkdv_apart=True),  # 3.65 ms; together 3.87
+}
+# calls whose only mask is causal (no explicit schedule, bias, left window, softcap, dropout,
+# lengths or packing), keyed by padded head dim: there D256's 8-warp tiles fit shared memory
+# (229,888 bytes, ragged lengths included). H100, B2 H16 4k causal, backward kernel ms
+_BWD_CAUSAL = {
+    256: BwdTileConfig(32, 128, 64, 32, 8, 3, dkdv_apart=True),  # 3.44 ms; _BWD's 3.645
+}
+# element mask and/or bias (explicit mask schedules, bias loads), keyed by padded head dim; other
+# head dims use the masked entries above. H100, B2 H16 4k, causal top-k mask (52% tiles) + key
+# bias, forward kernel ms
+_FWD_ELEMENTWISE = {
+    128: TileConfig(64, 64, 4, 2),  # 0.541 ms; (128, 64, 8, 3) 0.552
+}
+# the same through tensor descriptors at head dims above 128: three stages of _FWD_TMA's 64 x 256
+# K / V tiles beside a mask or bias tile need 238-263 KB of shared memory (the H100 has 227)
+_FWD_TMA_ELEMENTWISE = {
+    256: TileConfig(64, 64, 4, 2),  # two stages: 165-185 KB
+}
+# a bias spanning (Sq, Sk): its tiles are loaded and its gradient stored in every visited tile.
+# H100, B2 H16 4k causal top-k (52% tiles) + full bias, backward kernel ms
+_BWD_FULL_BIAS = {
+    128: BwdTileConfig(64, 128, 128, 64, 8, 2),  # 2.05 ms; atomic dQ (spills) 2.27
+}
+# query heads per dK/dV program under GQA: one (the group's heads in separate programs, fp32
+# partials summed after by sum_kv_parts) keeps the program MHA's; a loop over the heads raised
+# its spills from 176 to 932 B. H200, GQA 32/8 causal 8k backward kernel 3.24 ms + 0.08 (sum)
+# against 4.24
+DKDV_HEADS_PER_PROGRAM = 1
+# dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
+# D128 dense forward asked for 245,760 of 232,448 bytes on the H100
+DROPOUT_MAX_STAGES = 2
+# fp32 inputs use IEEE dots (exact fp32, no tensor cores): small tiles keep registers in budget
+_FP32 = TileConfig(32, 32, 4, 1)
+_FP32_BWD = BwdTileConfig(32, 32, 32, 32, 4, 1)
+
+
+def _key(head_dim: int, masked: bool) -> tuple[int, bool]:
+    return max(32, padded_head_dim(head_dim)), masked
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
+                   elementwise: bool = False, tma: bool = False,
+                   gluon: bool = False, full_bias: bool = False) -> TileConfig:
+    """masked: causal / window / explicit schedule; elementwise: an element mask or a bias;
+    tma: K/V tiles come through tensor descriptors; gluon: the Gluon forward takes the call
+    (its schedule is built at the Gluon tiles), full_bias: with a bias spanning (Sq, Sk)."""
+    if interpreting():
+        return _INTERPRETER
+    if dtype == torch.float32:
+        return _FP32
+    hopper = hopper_forward_config(head_dim, full_bias)
+    if gluon and hopper is not None:
+        # the Triton launch of those lists where the Gluon kernel declines (TMA alignment):
+        # top-k mask + key bias 0.570 ms at (128, 128, 8, 2)
+        return TileConfig(hopper.block_m, hopper.block_n, 8, 2)
+    key = _key(head_dim, masked or elementwise)
+    if elementwise and key[0] in _FWD_ELEMENTWISE:
+        return _FWD_ELEMENTWISE[key[0]]
+    if elementwise and tma and key[0] in _FWD_TMA_ELEMENTWISE:
+        return _FWD_TMA_ELEMENTWISE[key[0]]
+    if tma and key in _FWD_TMA:
+        return _FWD_TMA[key]
+    return _FWD[key]
+
+
+def backward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
+                    full_bias: bool = False, causal_only: bool = False) -> BwdTileConfig:
+    """masked: causal / window / explicit schedule; full_bias: a bias spanning (Sq, Sk);
+    causal_only: causal is the call's only mask or option (see _BWD_CAUSAL)."""
+    if interpreting():
+        return _INTERPRETER_BWD
+    if dtype == torch.float32:
+        return _FP32_BWD
+    key = _key(head_dim, masked or full_bias)
+    if causal_only and key[0] in _BWD_CAUSAL:
+        return _BWD_CAUSAL[key[0]]
+    if full_bias and key[0] in _BWD_FULL_BIAS:
+        return _BWD_FULL_BIAS[key[0]]
+    return _BWD[key]
