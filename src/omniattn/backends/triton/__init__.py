@@ -1,0 +1,1 @@
+"""The Triton kernels: forward, backward and their tile configs."""
