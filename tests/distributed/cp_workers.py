@@ -322,6 +322,7 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     the results."""
     # the reference path: CPU tensors would run the Triton interpreter (slowly) with it set
     os.environ["TRITON_INTERPRET"] = "0"
+    torch.set_num_threads(1)  # P ranks share the machine's cores
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
