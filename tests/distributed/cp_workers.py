@@ -151,11 +151,13 @@ def _compare(got, exact, plain, dtype) -> None:
             f"{name}: error {err:.3g} > 2 x single-process {base:.3g} + atol {atol:.1g}"
 
 
-def run_case(case: Case, shapes: Shapes, device, dtype, seed: int) -> None:
-    """One case on every rank; rank 0 compares (raises AssertionError on a mismatch)."""
+def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -> None:
+    """One case on every rank of group (a ProcessGroup, a DeviceMesh or None: all ranks); the
+    group's first rank compares (raises AssertionError on a mismatch)."""
     from omniattn import distributed as cp
+    from omniattn.distributed.sharding import resolve_group
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(resolve_group(group))
     seqlen = shapes.chunk * 2 * world
     heads = (shapes.heads, shapes.heads_k)
     if case.odd_heads:  # not multiples of any P > 1 tested
@@ -177,7 +179,7 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int) -> None:
 
     leaves = [t.clone().requires_grad_() for t in [q, k, v] + (
         [kwargs["attn_bias"]] if "attn_bias" in kwargs else [])]
-    shard = {"layout": case.layout}
+    shard = {"layout": case.layout, "group": group}
     local = {**kwargs, **{name: cp.shard(kwargs[name], dim=dim, **shard) for name, dim in
                           (("topk_scores", 3), ("seqlens_k_per_row", 1)) if name in kwargs}}
     if "attn_bias" in kwargs:
@@ -187,7 +189,7 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int) -> None:
     out, lse = cp.unshard(out, **shard), cp.unshard(lse, dim=2, **shard)
     loss = (out * dout).sum() + (_masked_lse(lse) * dlse).sum()
     grads = torch.autograd.grad(loss, leaves)
-    if dist.get_rank() == 0:
+    if dist.get_rank(resolve_group(group)) == 0:
         got = (out.detach(), lse.detach(), *grads)
         exact = _single_process(q, k, v, dout, dlse, kwargs, upcast=True)
         plain = _single_process(q, k, v, dout, dlse, kwargs, upcast=False)
@@ -316,12 +318,34 @@ def run_explain(shapes: Shapes, device) -> dict[str, str]:
                                           layout="contiguous"))}
 
 
+def run_groups(shapes: Shapes, device, dtype, record) -> None:
+    """The same call on other groups than the default one: a 1-D DeviceMesh cut from a 2-D
+    one, a subgroup whose ranks are not the global ones (the ring's neighbours are looked up),
+    and a group of one rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "cp"))
+    record("group-device_mesh", lambda: run_case(Case("ring", "zigzag", "everything"), shapes,
+                                                 device, dtype, 1, group=mesh["cp"]))
+    # every rank creates every group, in one order
+    first_last = dist.new_group([0, world - 1])
+    alone = [dist.new_group([r]) for r in range(world)]
+    if world > 2 and rank in (0, world - 1):
+        record("group-subgroup", lambda: run_case(Case("ring", "zigzag", "causal"), shapes,
+                                                  device, dtype, 2, group=first_last))
+    for method in METHODS:
+        record(f"group-one_rank-{method}", lambda: run_case(
+            Case(method, "zigzag", "everything"), shapes, device, dtype, 3, group=alone[rank]))
+
+
 def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
-           dtype_name: str, shapes: Shapes, only: list[str] | None) -> None:
-    """A rank of the test group: every case, then the bad calls and explain; rank 0 writes
-    the results."""
-    # the reference path: CPU tensors would run the Triton interpreter (slowly) with it set
-    os.environ["TRITON_INTERPRET"] = "0"
+           dtype_name: str, shapes: Shapes, only: list[str] | None,
+           interpret: bool = False) -> None:
+    """A rank of the test group: every case (those named in `only`), then other groups, the
+    bad calls and explain; rank 0 writes the results. interpret: the Triton kernels under
+    the interpreter (CPU), else the reference path."""
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     torch.set_num_threads(1)  # P ranks share the machine's cores
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
@@ -341,6 +365,8 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     for seed, case in enumerate(cases()):
         if only is None or case.id in only:
             record(case.id, lambda: run_case(case, shapes, device, dtype, seed))
+    if only is None:
+        run_groups(shapes, device, dtype, record)
     for name, expected, pattern, call in bad_calls(shapes, device):
         record(f"error-{name}", lambda: run_bad_call(expected, pattern, call))
     plans = run_explain(shapes, device)

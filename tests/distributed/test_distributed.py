@@ -20,10 +20,11 @@ GLOO_SHAPES = {2: Shapes(batch=2, chunk=16, heads=4, heads_k=2, head_dim=8),
                3: Shapes(batch=2, chunk=16, heads=6, heads_k=3, head_dim=8)}
 
 
-def _spawn(world: int, backend: str, dtype: str, shapes: Shapes, folder) -> dict:
+def _spawn(world: int, backend: str, dtype: str, shapes: Shapes, folder, only=None,
+           interpret=False) -> dict:
     results = folder / "results.json"
     mp.spawn(worker, args=(world, str(folder / "init"), str(results), backend, dtype, shapes,
-                           None), nprocs=world)
+                           only, interpret), nprocs=world)
     return json.loads(results.read_text())
 
 
@@ -37,6 +38,14 @@ def gloo(request, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.id)
 def test_matches_single_process(gloo, case: Case):
     assert gloo["results"][case.id] == "ok", gloo["results"][case.id]
+
+
+def test_other_groups(gloo):
+    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3), one
+    rank alone."""
+    outcomes = {name: r for name, r in gloo["results"].items() if name.startswith("group-")}
+    assert len(outcomes) >= 4
+    assert all(r == "ok" for r in outcomes.values()), outcomes
 
 
 def test_bad_calls_fail_before_communication(gloo):
@@ -56,6 +65,17 @@ def test_auto_choice_and_reasons(gloo):
     # contiguous causal window (3, 0): rank 0 needs no other rank's keys
     assert plans["ring_window"].startswith("method: ring (asked for:")
     assert "step 1, K/V of rank" in plans["ring_window"] and "skipped" in plans["ring_window"]
+
+
+@pytest.mark.interpreter
+def test_triton_kernels_under_the_interpreter(tmp_path):
+    """A few cases through the Triton kernels (TRITON_INTERPRET=1): the pieces' strided rows,
+    block-mask parts with element bitmaps, unchecked lengths."""
+    only = ["ring-zigzag-everything-odd_heads", "ring-zigzag-block_documents",
+            "allgather-contiguous-everything", "ulysses-zigzag-row_lengths"]
+    shapes = Shapes(batch=1, chunk=16, heads=2, heads_k=2, head_dim=16)
+    outcome = _spawn(2, "gloo", "float32", shapes, tmp_path, only=only, interpret=True)
+    assert [outcome["results"][name] for name in only] == ["ok"] * len(only), outcome["results"]
 
 
 @pytest.mark.gpu
