@@ -339,6 +339,53 @@ def run_groups(shapes: Shapes, device, dtype, record) -> None:
             Case(method, "zigzag", "everything"), shapes, device, dtype, 3, group=alone[rank]))
 
 
+def run_transformers(device) -> None:
+    """docs/distributed.md's transformers recipe: a tiny Llama whose attention is
+    omniattn.distributed (registered as "omniattn_cp", masks left to the call), fed this
+    rank's shard of the tokens and of their positions; its logits and its parameters'
+    gradients (summed over the ranks) equal the whole sequence's on one process."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from omniattn import distributed as cp
+
+    def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+        out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                           causal=True, softmax_scale=scaling)
+        return out, None
+
+    AttentionInterface.register("omniattn_cp", cp_attention)
+    AttentionMaskInterface.register("omniattn_cp", lambda *args, **kwargs: None)
+    def model(attn_implementation):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             attn_implementation=attn_implementation)
+        return LlamaForCausalLM(config).to(device)
+
+    whole, sharded = model("eager"), model("omniattn_cp")
+    tokens = torch.randint(0, 64, (2, 16 * dist.get_world_size()),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+
+    expected = whole(tokens, position_ids=positions).logits
+    expected.square().mean().backward()
+    local = sharded(cp.shard(tokens), position_ids=cp.shard(positions)).logits
+    # the loss of this rank's tokens, scaled as a share of the whole sequence's mean
+    (local.square().sum() / expected.numel()).backward()
+    logits = cp.unshard(local)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    for (name, p_whole), p_sharded in zip(whole.named_parameters(), sharded.parameters()):
+        grad = p_sharded.grad.clone()
+        dist.all_reduce(grad)  # what DDP / FSDP does over the context-parallel ranks too
+        torch.testing.assert_close(grad, p_whole.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
            dtype_name: str, shapes: Shapes, only: list[str] | None,
            interpret: bool = False) -> None:
@@ -367,6 +414,7 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
             record(case.id, lambda: run_case(case, shapes, device, dtype, seed))
     if only is None:
         run_groups(shapes, device, dtype, record)
+        record("transformers", lambda: run_transformers(device))
     for name, expected, pattern, call in bad_calls(shapes, device):
         record(f"error-{name}", lambda: run_bad_call(expected, pattern, call))
     plans = run_explain(shapes, device)

@@ -48,6 +48,12 @@ def test_other_groups(gloo):
     assert all(r == "ok" for r in outcomes.values()), outcomes
 
 
+def test_transformers_model(gloo):
+    """A tiny Llama with its attention registered as omniattn.distributed: logits and summed
+    parameter gradients equal the single-process model's (docs/distributed.md's recipe)."""
+    assert gloo["results"]["transformers"] == "ok", gloo["results"]["transformers"]
+
+
 def test_bad_calls_fail_before_communication(gloo):
     failed = {name: outcome for name, outcome in gloo["results"].items()
               if name.startswith("error-") and outcome != "ok"}
