@@ -44,7 +44,8 @@ class Piece:
         return not self.causal and self.window is None and self.block_mask is None
 
     def describe(self) -> str:
-        mask = "block mask part" if self.block_mask is not None else "causal" if self.causal \
+        mask = f"its part of block_mask, density {self.block_mask.density:.2f}" \
+            if self.block_mask is not None else "causal" if self.causal \
             else f"window={self.window}" if self.window is not None else "every key"
         return f"{self.where}: {mask}"
 
