@@ -96,7 +96,8 @@ def _check_topk(topk, topk_scores, q, k) -> None:
 
 def _check_block_mask(block_mask, q, seqlen: int) -> None:
     if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be an omniattn.BlockMask, got {type(block_mask).__name__}")
+        raise TypeError(f"block_mask must be an omniattn.BlockMask, got "
+                        f"{type(block_mask).__name__}")
     batch, heads = q.shape[0], q.shape[2]
     if block_mask.seq_lengths != (seqlen, seqlen):
         raise ValueError(f"block_mask was built for (Sq, Sk) = {block_mask.seq_lengths}; "
