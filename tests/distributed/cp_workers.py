@@ -160,8 +160,8 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -
     world = dist.get_world_size(resolve_group(group))
     seqlen = shapes.chunk * 2 * world
     heads = (shapes.heads, shapes.heads_k)
-    if case.odd_heads:  # not multiples of any P > 1 tested
-        heads = (world * 2 + 1, 1) if case.mask == "causal" else (world + 2, world + 2)
+    if case.odd_heads:  # MQA, or as many K/V heads as query heads, never a multiple of P
+        heads = (2 * world + 1, 1) if case.mask == "causal" else (2 * world + 1,) * 2
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -379,11 +379,13 @@ def run_transformers(device) -> None:
     # the loss of this rank's tokens, scaled as a share of the whole sequence's mean
     (local.square().sum() / expected.numel()).backward()
     logits = cp.unshard(local)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    # fp32 through the GPU kernels sums in other orders than eager attention
+    rtol, atol = (1e-3, 1e-4) if device.type == "cuda" else (1e-4, 1e-5)
+    torch.testing.assert_close(logits, expected, rtol=rtol, atol=atol)
     for (name, p_whole), p_sharded in zip(whole.named_parameters(), sharded.parameters()):
         grad = p_sharded.grad.clone()
         dist.all_reduce(grad)  # what DDP / FSDP does over the context-parallel ranks too
-        torch.testing.assert_close(grad, p_whole.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, p_whole.grad, rtol=rtol, atol=atol / 10, msg=name)
 
 
 def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,

@@ -130,7 +130,7 @@ def test_cut_shows_exactly_the_global_predicate(causal, window):
     for rows in grid:
         for keys in grid:
             expected = _visible(rows, keys, predicate, seqlen)
-            piece = cut(rows, keys, predicate, seqlen)
+            piece = cut(rows, keys, predicate)
             if piece is None:
                 assert not expected.any()
                 continue
@@ -147,10 +147,10 @@ def test_pieces_skip_hidden_and_join_unmasked():
     visible to the late chunk only and become one call."""
     seqlen, predicate = 64, RelativePredicate.make(True)
     rows = chunks("zigzag", 0, 2, seqlen)
-    own = pieces(rows, chunks("zigzag", 0, 2, seqlen), predicate, seqlen, None, False)
+    own = pieces(rows, chunks("zigzag", 0, 2, seqlen), predicate, None, False)
     assert [(p.causal, p.unmasked) for p in own] == [(True, False), (False, True),
                                                      (True, False)]
-    other = pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, seqlen, None, False)
+    other = pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, None, False)
     assert len(other) == 1 and other[0].rows == (16, 32) and other[0].keys == (0, 32)
     # per-row key lengths count keys by global position: nothing is joined
-    assert len(pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, seqlen, None, True)) == 2
+    assert len(pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, None, True)) == 2

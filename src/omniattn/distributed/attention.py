@@ -72,7 +72,7 @@ def _rows(call: Call) -> tuple[Chunk, ...]:
 
 def _allgather_pieces(call: Call) -> list[Piece]:
     everything = (Chunk(0, 0, call.seqlen),)
-    return pieces(_rows(call), everything, call.predicate, call.seqlen, call.block_mask,
+    return pieces(_rows(call), everything, call.predicate, call.block_mask,
                   by_position=call.row_lens is not None)
 
 
@@ -80,7 +80,7 @@ def _ring_steps(call: Call) -> list[list[Piece]]:
     """The pieces of each ring step: step t holds the K/V of rank (rank - t) mod P."""
     return [pieces(_rows(call), chunks(call.layout, (call.rank - step) % call.world,
                                        call.world, call.seqlen),
-                   call.predicate, call.seqlen, call.block_mask,
+                   call.predicate, call.block_mask,
                    by_position=call.row_lens is not None)
             for step in range(call.world)]
 

@@ -69,10 +69,10 @@ class Piece:
             check_inputs=lens is None, **extra)
 
 
-def cut(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
-        seqlen: int) -> Piece | None:
+def cut(rows: Chunk, keys: Chunk, predicate: RelativePredicate) -> Piece | None:
     """The piece of global rows `rows` against global keys `keys` under causal / window
-    `predicate` (global positions; Sq = Sk = seqlen), or None when no row sees any key."""
+    `predicate` (global positions, Sq = Sk: the diagonal is j = i), or None when no row sees
+    any key."""
     left, right = predicate.left, predicate.right
     r0, r1, a, b = rows.start, rows.stop, keys.start, keys.stop
     # rows that see a key of [a, b), then the keys those rows see
@@ -112,8 +112,8 @@ def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
                  keys.start, block_mask=part, where=where)
 
 
-def pieces(row_chunks, key_chunks, predicate: RelativePredicate, seqlen: int,
-           block_mask: BlockMask | None, by_position: bool) -> list[Piece]:
+def pieces(row_chunks, key_chunks, predicate: RelativePredicate, block_mask: BlockMask | None,
+           by_position: bool) -> list[Piece]:
     """This rank's pieces of its row chunks against the key chunks held. Unmasked pieces next
     to each other in the shards become one call, unless by_position (per-row key lengths count
     keys from a piece's first global key, so its keys must be consecutive there)."""
@@ -121,7 +121,7 @@ def pieces(row_chunks, key_chunks, predicate: RelativePredicate, seqlen: int,
     for rows in row_chunks:
         for keys in key_chunks:
             piece = masked_piece(rows, keys, predicate, block_mask) if block_mask is not None \
-                else cut(rows, keys, predicate, seqlen)
+                else cut(rows, keys, predicate)
             if piece is not None:
                 found.append(piece)
     if by_position:

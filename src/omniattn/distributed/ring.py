@@ -6,18 +6,21 @@ gradients (dK, dV, dbias) along behind them, so that after P hops they are back 
 owner."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .comm import RingExchange
 from .pieces import Piece, merge
 
 
-class RingSchedule:
+class RingSchedule(NamedTuple):
     """What a ring call computes on this rank: the pieces of each step (step t holds the K/V of
-    rank (rank - t) mod P)."""
+    rank (rank - t) mod P), over `group` of `world` ranks."""
 
-    def __init__(self, steps: list[list[Piece]], group, world: int):
-        self.steps, self.group, self.world = steps, group, world
+    steps: list[list[Piece]]
+    group: object
+    world: int
 
 
 def ring_attention(q, k, v, attn_bias, row_lens, schedule: RingSchedule, options: dict):

@@ -39,9 +39,9 @@ class _Unshard(torch.autograd.Function):
         return to_shards(grad, ctx.layout, world, ctx.dim)[rank], None, None, None
 
 
-def _checked_dim(x, dim) -> int:
+def _checked_dim(name: str, x, dim) -> int:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a tensor of shape "
                          f"{tuple(x.shape)}, got {dim!r}")
@@ -55,7 +55,7 @@ def shard(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") 
     Differentiable: x's gradient is the full one on every rank (the parts' gradients are
     all-gathered), as for a replicated tensor. group: a ProcessGroup, a 1-D DeviceMesh or None
     (the default group)."""
-    dim = _checked_dim(x, dim)
+    dim = _checked_dim("x", x, dim)
     check_layout(layout)
     group = resolve_group(group)
     check_divides("x", x.shape[dim], layout, group_info(group)[1], per_rank=False)
@@ -71,7 +71,7 @@ def unshard(x_local: torch.Tensor, group=None, *, dim: int = 1,
     function of it), so x_local's gradient is this rank's part of the full gradient, without
     communication. To sum gradients that differ by rank, use torch.distributed.nn's
     all_gather instead."""
-    dim = _checked_dim(x_local, dim)
+    dim = _checked_dim("x_local", x_local, dim)
     check_layout(layout)
     group = resolve_group(group)
     check_divides("x_local", x_local.shape[dim], layout, group_info(group)[1], per_rank=True)
