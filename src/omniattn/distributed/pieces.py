@@ -1,0 +1,235 @@
+"""Pieces: the local attention calls that make up one rank's share of a context-parallel call.
+
+A piece is this rank's query rows of one chunk against the keys of one chunk it holds (or has
+gathered), cut to the rows that see any of those keys and the keys any of them sees. Masks are
+in global positions; a piece states them in its own: single-device causal and windows are
+bottom-right aligned, so a piece whose rows start at global row r0 and end at r1 and whose keys
+end at global key b has its diagonal shifted by d = b - r1 (global offset j - i = local offset
++ d), and the cut keeps both window bounds representable (>= 0). A global BlockMask becomes the
+piece's own BlockMask over its rectangle, with the call's causal / window folded into it (its
+blocks must then start on the mask's block grid). Pieces that see nothing are never computed.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..api import attention as local_attention
+from ..masks.block_mask import BlockMask
+from ..masks.evaluate import predicate_blocks
+from ..predicate import HIDDEN, RelativePredicate
+from .layout import Chunk
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One local attention call: rows [rows[0], rows[1]) of this rank's shard against keys
+    [keys[0], keys[1]) of the K/V block held, which start at global key `key_position` (per-row
+    key lengths count from it); `causal` / `window` in the piece's own (bottom-right aligned)
+    positions, or `block_mask` over the piece's rectangle. `where`: the global rows and keys,
+    for explain."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    key_position: int
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    block_mask: BlockMask | None = None
+    where: str = ""
+
+    @property
+    def unmasked(self) -> bool:
+        return not self.causal and self.window is None and self.block_mask is None
+
+    def describe(self) -> str:
+        mask = f"its part of block_mask, density {self.block_mask.density:.2f}" \
+            if self.block_mask is not None else "causal" if self.causal \
+            else f"window={self.window}" if self.window is not None else "every key"
+        return f"{self.where}: {mask}"
+
+    def run(self, q, k, v, attn_bias, row_lens, options: dict, topk_scores=None):
+        """(out (B, rows, H, D), lse (B, H, rows) float32) of this piece: q this rank's shard,
+        k / v (B, keys held, Hk, D) and attn_bias / topk_scores (B|1, Hm, 1, keys held) the
+        block held, row_lens (B, S/P) this rank's rows' global key lengths."""
+        (i0, i1), (j0, j1) = self.rows, self.keys
+        lens = None
+        if row_lens is not None:
+            lens = (row_lens[:, i0:i1] - self.key_position).clamp(0, j1 - j0).to(torch.int32)
+        extra = dict(options)
+        if topk_scores is not None:
+            extra["topk_scores"] = topk_scores[..., j0:j1]
+        return local_attention(
+            q[:, i0:i1], k[:, j0:j1], v[:, j0:j1], causal=self.causal, window=self.window,
+            block_mask=self.block_mask,
+            attn_bias=attn_bias[..., j0:j1] if attn_bias is not None else None,
+            seqlens_k_per_row=lens, return_lse=True,
+            # the lengths were checked once, globally, and clamped here: no sync per piece
+            check_inputs=lens is None, **extra)
+
+
+def cut(rows: Chunk, keys: Chunk, predicate: RelativePredicate) -> Piece | None:
+    """The piece of global rows `rows` against global keys `keys` under causal / window
+    `predicate` (global positions, Sq = Sk: the diagonal is j = i), or None when no row sees
+    any key."""
+    left, right = predicate.left, predicate.right
+    r0, r1, a, b = rows.start, rows.stop, keys.start, keys.stop
+    # rows that see a key of [a, b), then the keys those rows see
+    if right >= 0:
+        r0 = max(r0, a - right)
+    if left >= 0:
+        r1 = min(r1, b + left)
+    if r0 >= r1:
+        return None
+    if left >= 0:
+        a = max(a, r0 - left)
+    if right >= 0:
+        b = min(b, r1 + right)
+    where = f"rows [{r0}, {r1}) x keys [{a}, {b})"
+    local_rows = (r0 - rows.start + rows.local, r1 - rows.start + rows.local)
+    local_keys = (a - keys.start + keys.local, b - keys.start + keys.local)
+    # whether every row sees every key: then no predicate at all
+    if (left < 0 or a - (r1 - 1) >= -left) and (right < 0 or (b - 1) - r0 <= right):
+        return Piece(local_rows, local_keys, a, where=where)
+    shift = b - r1
+    left, right = (left + shift if left >= 0 else -1), (right - shift if right >= 0 else -1)
+    causal = left < 0 and right == 0
+    return Piece(local_rows, local_keys, a, causal=causal,
+                 window=None if causal else (left, right), where=where)
+
+
+def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
+                 block_mask: BlockMask) -> Piece | None:
+    """The piece of rows x keys (whole chunks) under a global block mask ANDed with
+    `predicate`, or None when the mask hides all of it."""
+    part = block_mask_part(block_mask, (rows.start, rows.stop), (keys.start, keys.stop),
+                           predicate)
+    if part is None:
+        return None
+    where = f"rows [{rows.start}, {rows.stop}) x keys [{keys.start}, {keys.stop})"
+    return Piece((rows.local, rows.local + rows.length), (keys.local, keys.local + keys.length),
+                 keys.start, block_mask=part, where=where)
+
+
+def pieces(row_chunks, key_chunks, predicate: RelativePredicate, block_mask: BlockMask | None,
+           by_position: bool) -> list[Piece]:
+    """This rank's pieces of its row chunks against the key chunks held. Unmasked pieces next
+    to each other in the shards become one call, unless by_position (per-row key lengths count
+    keys from a piece's first global key, so its keys must be consecutive there)."""
+    found = []
+    for rows in row_chunks:
+        for keys in key_chunks:
+            piece = masked_piece(rows, keys, predicate, block_mask) if block_mask is not None \
+                else cut(rows, keys, predicate)
+            if piece is not None:
+                found.append(piece)
+    if by_position:
+        return found
+    return _joined(_joined(found, along_keys=True), along_keys=False)
+
+
+def _joined(found: list[Piece], along_keys: bool) -> list[Piece]:
+    """Unmasked pieces with the same rows and adjacent keys (or the same keys and adjacent
+    rows) as one piece."""
+    joined: list[Piece] = []
+    for piece in found:
+        for i, other in enumerate(joined):
+            same, near = ("rows", "keys") if along_keys else ("keys", "rows")
+            if not (piece.unmasked and other.unmasked
+                    and getattr(piece, same) == getattr(other, same)):
+                continue
+            if getattr(other, near)[1] == getattr(piece, near)[0]:
+                span = (getattr(other, near)[0], getattr(piece, near)[1])
+                joined[i] = Piece(**{same: getattr(piece, same), near: span},
+                                  key_position=other.key_position,
+                                  where=f"{other.where} + {piece.where}")
+                break
+        else:
+            joined.append(piece)
+    return joined
+
+
+# a global BlockMask's parts, per (rows, keys, predicate), kept as long as the mask lives: a
+# mask reused across layers and steps is cut once
+_parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def block_mask_part(mask: BlockMask, rows: tuple[int, int], keys: tuple[int, int],
+                    predicate: RelativePredicate) -> BlockMask | None:
+    """The BlockMask of global rows [r0, r1) x keys [a, b) of `mask` ANDed with `predicate`
+    (global positions), its rectangle starting on the mask's block grid; None if all hidden.
+    Its blocks are the mask's; partial ones carry element bitmaps of what they show (no
+    predicate of their own)."""
+    cache = _parts.setdefault(mask, {})
+    key = (rows, keys, predicate)
+    if key not in cache:
+        cache[key] = _cut_block_mask(mask, rows, keys, predicate)
+    return cache[key]
+
+
+def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
+    (r0, r1), (a, b) = rows, keys
+    block_q, block_k = mask.block_size
+    seqlen_q, seqlen_k = mask.seq_lengths
+    device = mask.kv_indices.device
+    q_blocks = slice(r0 // block_q, -(-r1 // block_q))
+    k_blocks = slice(a // block_k, -(-b // block_k))
+    hint = mask.states[..., q_blocks, k_blocks]
+    if not predicate.unbounded:
+        outer = predicate.classify(seqlen_q, seqlen_k, block_q, block_k, device=device)
+        hint = torch.minimum(hint, outer[q_blocks, k_blocks])
+    if not bool((hint != HIDDEN).any()):
+        return None
+
+    def mask_mod(b_idx, h_idx, q_idx, kv_idx):
+        q_global, kv_global = q_idx + r0, kv_idx + a
+        keep = mask.mask_mod(b_idx, h_idx, q_global, kv_global)
+        return keep & predicate.holds(q_global, kv_global, seqlen_q, seqlen_k)
+
+    states, bits, slots = predicate_blocks(mask_mod, *hint.shape[:2], r1 - r0, b - a,
+                                           (block_q, block_k), device, block_states=hint)
+    if not bool((states != HIDDEN).any()):
+        return None
+    return BlockMask.from_states(states, (block_q, block_k), (r1 - r0, b - a),
+                                 element_bits=bits, element_slots=slots)
+
+
+_head_parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def block_mask_heads(mask: BlockMask, rank: int, world: int) -> BlockMask:
+    """Rank `rank`'s H/P heads of a mask with per-head lists (one shared by every head stays
+    as it is)."""
+    heads = mask.kv_num_blocks.shape[1]
+    if heads == 1:
+        return mask
+    cache = _head_parts.setdefault(mask, {})
+    if (rank, world) not in cache:
+        part = slice(rank * heads // world, (rank + 1) * heads // world)
+        slots = mask.element_slots
+        cache[(rank, world)] = BlockMask(
+            mask.kv_num_blocks[:, part], mask.kv_indices[:, part],
+            mask.full_kv_num_blocks[:, part], mask.full_kv_indices[:, part],
+            block_size=mask.block_size, seq_lengths=mask.seq_lengths,
+            window=(mask.predicate.left, mask.predicate.right),
+            element_bits=mask.element_bits,
+            element_slots=slots[:, part] if slots is not None else None)
+    return cache[(rank, world)]
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int],
+          piece_out: torch.Tensor, piece_lse: torch.Tensor) -> None:
+    """Adds a piece's softmax to rows [rows) of the running float32 out (B, S/P, H, D) and lse
+    (B, H, S/P), in place: both rescaled to the new log-sum-exp. Rows that have seen no key
+    keep out 0 and lse -inf."""
+    i0, i1 = rows
+    old = lse[..., i0:i1]
+    new = torch.logaddexp(old, piece_lse)
+    # exp(-inf - 0) = 0 where neither has seen a key (exp(-inf - -inf) would be NaN)
+    finite = new.masked_fill(new == float("-inf"), 0.0)
+    keep_old = torch.exp(old - finite).transpose(1, 2).unsqueeze(-1)
+    take_new = torch.exp(piece_lse - finite).transpose(1, 2).unsqueeze(-1)
+    rows_out = out[:, i0:i1]
+    rows_out.mul_(keep_old).add_(piece_out.float() * take_new)
+    old.copy_(new)

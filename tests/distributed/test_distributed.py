@@ -1,0 +1,156 @@
+"""omniattn.distributed on CPU with gloo: every method equal to the single-process call (the 2x
+rule on outputs, lse and gradients) for each mask, both layouts, world sizes 2 and 3; bad calls
+fail before any communication; auto's choices. One spawned process group per world size runs
+every case (cp_workers.py); NCCL on 2 GPUs under the gpu marker."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cp_workers import Case, Shapes, cases, worker
+from omniattn.distributed.layout import Chunk, chunks, to_global, to_shards
+from omniattn.distributed.pieces import cut, pieces
+from omniattn.predicate import RelativePredicate
+
+# world size -> shapes: the heads split over P (ulysses); chunks of 16 (the block masks' blocks)
+GLOO_SHAPES = {2: Shapes(batch=2, chunk=16, heads=4, heads_k=2, head_dim=8),
+               3: Shapes(batch=2, chunk=16, heads=6, heads_k=3, head_dim=8)}
+
+
+def _spawn(world: int, backend: str, dtype: str, shapes: Shapes, folder, only=None,
+           interpret=False) -> dict:
+    results = folder / "results.json"
+    mp.spawn(worker, args=(world, str(folder / "init"), str(results), backend, dtype, shapes,
+                           only, interpret), nprocs=world)
+    return json.loads(results.read_text())
+
+
+@pytest.fixture(scope="module", params=sorted(GLOO_SHAPES), ids=lambda w: f"world{w}")
+def gloo(request, tmp_path_factory) -> dict:
+    world = request.param
+    return _spawn(world, "gloo", "float32", GLOO_SHAPES[world],
+                  tmp_path_factory.mktemp(f"gloo{world}"))
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c.id)
+def test_matches_single_process(gloo, case: Case):
+    assert gloo["results"][case.id] == "ok", gloo["results"][case.id]
+
+
+def test_other_groups(gloo):
+    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3), one
+    rank alone."""
+    outcomes = {name: r for name, r in gloo["results"].items() if name.startswith("group-")}
+    assert len(outcomes) >= 4
+    assert all(r == "ok" for r in outcomes.values()), outcomes
+
+
+def test_transformers_model(gloo):
+    """A tiny Llama with its attention registered as omniattn.distributed: logits and summed
+    parameter gradients equal the single-process model's (docs/distributed.md's recipe)."""
+    assert gloo["results"]["transformers"] == "ok", gloo["results"]["transformers"]
+
+
+def test_bad_calls_fail_before_communication(gloo):
+    failed = {name: outcome for name, outcome in gloo["results"].items()
+              if name.startswith("error-") and outcome != "ok"}
+    assert len([n for n in gloo["results"] if n.startswith("error-")]) >= 19
+    assert not failed, "\n".join(f"{name}: {outcome}" for name, outcome in failed.items())
+
+
+def test_auto_choice_and_reasons(gloo):
+    plans = gloo["plans"]
+    assert plans["heads_split"].startswith("method: ulysses (auto: one single-device call")
+    assert plans["mqa"].startswith("method: ring (auto: K/V shards travel the ring")
+    assert "\n  not ulysses: it splits heads over the" in plans["mqa"]
+    assert plans["mqa_topk"].startswith("method: allgather (auto:")
+    assert "\n  not ring: top-k keeps each row's best keys" in plans["mqa_topk"]
+    # contiguous causal window (3, 0): rank 0 needs no other rank's keys
+    assert plans["ring_window"].startswith("method: ring (asked for:")
+    assert "step 1, K/V of rank" in plans["ring_window"] and "skipped" in plans["ring_window"]
+
+
+@pytest.mark.interpreter
+def test_triton_kernels_under_the_interpreter(tmp_path):
+    """A few cases through the Triton kernels (TRITON_INTERPRET=1): the pieces' strided rows,
+    block-mask parts with element bitmaps, unchecked lengths."""
+    only = ["ring-zigzag-everything-odd_heads", "ring-zigzag-block_documents",
+            "allgather-contiguous-everything", "ulysses-zigzag-row_lengths"]
+    shapes = Shapes(batch=1, chunk=16, heads=2, heads_k=2, head_dim=16)
+    outcome = _spawn(2, "gloo", "float32", shapes, tmp_path, only=only, interpret=True)
+    assert [outcome["results"][name] for name in only] == ["ok"] * len(only), outcome["results"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_nccl_two_gpus_bf16(tmp_path):
+    """Every case on 2 GPUs in bf16 through the Triton kernels, against the float64 reference
+    under the 2x rule (the kernels' block masks at 64-position chunks)."""
+    shapes = Shapes(batch=2, chunk=64, heads=4, heads_k=2, head_dim=64)
+    outcome = _spawn(2, "nccl", "bfloat16", shapes, tmp_path)
+    failed = {name: r for name, r in outcome["results"].items() if r != "ok"}
+    assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
+
+
+# ---- positions and pieces, without processes ----
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shards_round_trip_and_chunks(world, layout):
+    seqlen = 24 * world
+    full = torch.arange(seqlen).view(1, seqlen)
+    shards = to_shards(full, layout, world, 1)
+    assert torch.equal(to_global(shards, layout, 1), full)
+    for rank, part in enumerate(shards):
+        held = torch.cat([torch.arange(c.start, c.stop) for c in
+                          chunks(layout, rank, world, seqlen)])
+        assert torch.equal(part[0], held)
+    if layout == "zigzag":
+        assert [c.start for c in chunks(layout, 0, world, seqlen)] == [0, seqlen - 12]
+
+
+def _visible(rows: Chunk, keys: Chunk, predicate: RelativePredicate, seqlen: int):
+    """(rows, keys) bool of what the global predicate shows."""
+    q_idx = torch.arange(rows.start, rows.stop)[:, None]
+    k_idx = torch.arange(keys.start, keys.stop)[None, :]
+    return predicate.holds(q_idx, k_idx, seqlen, seqlen)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (5, 2)), (False, (0, 9)),
+                                           (True, (11, -1)), (False, (-1, 3)), (False, None)])
+def test_cut_shows_exactly_the_global_predicate(causal, window):
+    """Every (row chunk, key chunk) pair: the piece's own bottom-right aligned predicate on its
+    rectangle equals the global predicate, and nothing visible lies outside the rectangle."""
+    seqlen, length = 48, 8
+    predicate = RelativePredicate.make(causal, window)
+    grid = [Chunk(s, 0, length) for s in range(0, seqlen, length)]
+    for rows in grid:
+        for keys in grid:
+            expected = _visible(rows, keys, predicate, seqlen)
+            piece = cut(rows, keys, predicate)
+            if piece is None:
+                assert not expected.any()
+                continue
+            (i0, i1), (j0, j1) = piece.rows, piece.keys
+            own = RelativePredicate.make(piece.causal, piece.window)
+            got = torch.zeros_like(expected)
+            got[i0:i1, j0:j1] = own.visible(torch.arange(i1 - i0), i1 - i0, j1 - j0) \
+                if not own.unbounded else True
+            assert torch.equal(got, expected), (rows, keys, piece)
+
+
+def test_pieces_skip_hidden_and_join_unmasked():
+    """Causal zigzag, rank 0 of 2: its own K/V give three pieces; rank 1's K/V are fully
+    visible to the late chunk only and become one call."""
+    seqlen, predicate = 64, RelativePredicate.make(True)
+    rows = chunks("zigzag", 0, 2, seqlen)
+    own = pieces(rows, chunks("zigzag", 0, 2, seqlen), predicate, None, False)
+    assert [(p.causal, p.unmasked) for p in own] == [(True, False), (False, True),
+                                                     (True, False)]
+    other = pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, None, False)
+    assert len(other) == 1 and other[0].rows == (16, 32) and other[0].keys == (0, 32)
+    # per-row key lengths count keys by global position: nothing is joined
+    assert len(pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, None, True)) == 2
