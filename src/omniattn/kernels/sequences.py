@@ -3,14 +3,12 @@ tensors whose sequences start at cu_seqlens (varlen). Kernels see both through t
 arguments: a packed tensor has batch stride 0 and the kernel offsets each sequence's rows."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 import functools
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from ..runtime.launch import launch
 from ..runtime.switches import interpreting
@@ -115,21 +113,6 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
             if stride % elements:
                 return False
     return True
-
-
-def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-@contextlib.contextmanager
-def descriptor_workspace():
-    """Kernels that build tensor descriptors on the device get their global workspace from
-    torch's allocator during the launch; the caller's own Triton allocator comes back after."""
-    token = _allocation._allocator.set(_workspace)
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
 
 
 # rank by counting: B x Sq^2 comparisons in one launch, up to this many; torch's segmented sort

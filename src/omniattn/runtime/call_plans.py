@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton import knobs
 
 from . import launch as launch_module
-from ..kernels.sequences import descriptor_workspace
 from .switches import gluon_enabled, interpreting, switch_on, tma_enabled
 
 aten = torch.ops.aten
@@ -262,7 +261,7 @@ class _Plan:
     def replay(self, inputs: tuple):
         created = []
         stream = launch_module.driver.active.get_current_stream(torch.cuda.current_device())
-        with descriptor_workspace():
+        with launch_module.descriptor_workspace():
             for step in self.steps:
                 kind = step[0]
                 if kind == _LAUNCH:

@@ -286,3 +286,18 @@ class FlatLaunch:
                 stream)
         self._launch(*self._grid, stream, *self._function, global_scratch, profile_scratch,
                      self._packed_metadata, None, None, None, *values)
+
+
+def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@contextlib.contextmanager
+def descriptor_workspace():
+    """Kernels that build tensor descriptors on the device get their global workspace from
+    torch's allocator during the launch; the caller's own Triton allocator comes back after."""
+    token = _allocation._allocator.set(_workspace)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)

@@ -12,11 +12,11 @@ from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv
                                visible_elements)
 from ...kernels.elementwise import Elementwise
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
-from ...kernels.sequences import (PackedSequences, batch_shape, check_row_order,
-                                  descriptor_workspace, lse_shape, lse_strides, packed_operands,
-                                  row_lens_operands, row_strides, tma_compatible)
+from ...kernels.sequences import (PackedSequences, batch_shape, check_row_order, lse_shape,
+                                  lse_strides, packed_operands, row_lens_operands, row_strides,
+                                  tma_compatible)
 from ...kernels.sizes import cdiv, padded_head_dim
-from ...runtime.launch import launch
+from ...runtime.launch import descriptor_workspace, launch
 from ...runtime.switches import tma_enabled
 from ..gluon_sm90.forward import hopper_forward
 from .configs import DROPOUT_MAX_STAGES, forward_config
