@@ -4,8 +4,9 @@ The element predicate is the AND of whichever terms a call gives: the relative t
 bottom-right aligned, and sliding windows), per-row key lengths, an element mask and a block
 mask's own predicate; documents (varlen) are the relative terms on each sequence's own
 diagonal. Top-k then keeps, per row, the `topk` visible keys of largest score (ties to the lower
-key index), a selection held as one threshold pair per row (`RowThresholds`). A tile is FULL when every term holds on all of it (no predicate work), HIDDEN when
-none of its elements is visible (never loaded), else PARTIAL. The reference, the masks, the
+key index), a selection held as one threshold pair per row (`RowThresholds`). A tile is FULL
+when every term holds on all of it (no predicate work), HIDDEN when none of its elements is
+visible (never loaded), else PARTIAL. The reference, the masks, the
 façades and the schedule builders use these definitions; each kernel dialect mirrors them in one
 device helper. This module imports nothing from the rest of the package.
 """

@@ -328,16 +328,20 @@ def topk_thresholds(
         head_counts.append(block_mask.kv_num_blocks.shape[1])
     heads = selection_heads(num_heads, num_heads_k, *head_counts)
     if cu_seqlens_q is not None:
-        parts = []
+        empty = torch.empty(1, heads, 0, dtype=torch.int32, device=topk_scores.device)
+        parts = [(empty, empty)]
         bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for i in range(len(bounds_q) - 1):
             q0, q1, k0, k1 = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+            if q1 == q0:
+                continue
 
             def packed(t):  # (len_q|1, Hm, max_k|1) -> (1, Hm, len_q|1, len_k|1)
                 if t is None:
                     return None
                 rows = t[q0:q1] if t.shape[0] != 1 else t
-                return (rows[..., : k1 - k0] if rows.shape[-1] != 1 else rows).permute(1, 0, 2)[None]
+                cols = rows[..., : k1 - k0] if rows.shape[-1] != 1 else rows
+                return cols.permute(1, 0, 2)[None]
 
             lens = seqlens_k_per_row[q0:q1].view(1, -1) if seqlens_k_per_row is not None else None
             part = _thresholds(q1 - q0, k1 - k0, num_heads, num_heads_k, heads, topk,
