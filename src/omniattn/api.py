@@ -12,13 +12,14 @@ from .autograd import (attention_with_graph, forward_parts, kernel_inputs, recor
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, length_order
-from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call, reference_plan,
-                   uses_kernels)
+from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call,
+                   reference_plan, topk_refusal, uses_kernels)
 from .reference import attention_reference
 from .runtime import call_plans
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
-                         check_options, check_packed, check_qkv, check_row_lens, known_checked)
+                         check_options, check_packed, check_qkv, check_row_lens, check_topk,
+                         known_checked)
 
 DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 
@@ -44,6 +45,8 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     check_inputs: bool = True,
+    topk: int | None = None,
+    topk_scores: torch.Tensor | None = None,
 ):
     """Exact attention with every mask on one kernel core, forward and backward.
 
@@ -87,6 +90,13 @@ def attention(
             the host). Pass False under CUDA-graph capture; out-of-range values then cannot
             fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
             call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
+        topk: each query row keeps only the `topk` keys of largest topk_scores among the keys
+            every other mask lets it see (ties to the lower key index); a row seeing at most
+            topk keys keeps them all. Every backend applies this rule; today the reference runs
+            such calls on every device (`omniattn.explain` says so).
+        topk_scores: fp16/bf16/fp32 scores laid out like attn_bias (its default), broadcast and
+            never expanded; they select only: no gradient reaches them (the bias still gets
+            its own). A NaN score ranks above +inf (it is kept and shows in the output).
 
     Returns:
         out like q, in q's dtype (0 on rows that see no key), or (out, lse).
@@ -115,9 +125,9 @@ def attention(
         return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
                           block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          checks, graph_parts)
+                          checks, topk, topk_scores, graph_parts)
 
-    if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
+    if block_mask is None and topk is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0:
         inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row)
         graph = records_graph(q, k, v, attn_bias)
@@ -153,7 +163,8 @@ class _Prepared(NamedTuple):
 
 def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
              seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, deterministic, return_lse, check_inputs, graph_parts) -> _Prepared:
+             dropout_p, deterministic, return_lse, check_inputs, topk, topk_scores,
+             graph_parts) -> _Prepared:
     """Validate a call (errors before anything is computed) and plan it."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     check_qkv(q, k, v, packed_layout)
@@ -175,12 +186,16 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
         check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k, packed)
     if attn_bias is not None:
         check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k, packed)
+    check_topk(topk, topk_scores, attn_bias, q, k, packed)
     row_lens = None
     if seqlens_k_per_row is not None:
         row_lens = check_row_lens(seqlens_k_per_row, q, k, packed, check_inputs)
     backward_needed = graph_parts or records_graph(q, k, v, attn_bias)
     if not uses_kernels(q):
         return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed)
+    if topk is not None:
+        return _Prepared(reference_plan(q, backward_needed, topk_refusal(q)), None, None,
+                         row_lens, packed)
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     # per-row key lengths alone: each batch's rows in length order, key ranges from the lengths
     row_order = row_lens is not None and not args.masked and packed is None \
@@ -214,20 +229,22 @@ def explain(q, k, v, **options) -> CallPlan:
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               dropout_p, deterministic, return_lse, check_inputs, graph_parts=False):
+               dropout_p, deterministic, return_lse, check_inputs, topk=None, topk_scores=None,
+               graph_parts=False):
     """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
     call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
     plan, form, lists, row_lens, packed = _prepare(
         q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
         seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        deterministic, return_lse, check_inputs, graph_parts)
+        deterministic, return_lse, check_inputs, topk, topk_scores, graph_parts)
     if form is None:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
                                        attn_mask=attn_mask, attn_bias=attn_bias,
                                        block_mask=block_mask, seqlens_k_per_row=row_lens,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       dropout_p=float(dropout_p), return_lse=True)
+                                       dropout_p=float(dropout_p), return_lse=True, topk=topk,
+                                       topk_scores=topk_scores)
         return (out, lse) if return_lse else out
     args, row_order = form.args, None
     if form.row_order:

@@ -5,7 +5,8 @@ builds its lists at the plan's tiles and the launchers launch the kernels it nam
 
 Candidates, fastest first: on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
 `bwd_hopper`, `bwd_hopper_wide` at head dims it splits), else the Triton kernels (`fwd`, `bwd`);
-CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels.
+CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels;
+top-k calls take it on every device until the kernels read row thresholds.
 """
 from __future__ import annotations
 
@@ -311,15 +312,22 @@ def _reference_reason(q: torch.Tensor) -> str:
         f"runs the Triton kernels in the interpreter)"
 
 
+def topk_refusal(q: torch.Tensor) -> str:
+    """Why a top-k call on the kernels' devices runs the reference (on q's device, in torch)."""
+    return f"top-k: the kernels do not read row thresholds yet (the reference selects each " \
+        f"chunk of rows in PyTorch, on {q.device})"
+
+
 def uses_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
 
 
-def reference_plan(q: torch.Tensor, backward_needed: bool) -> CallPlan:
-    """The plan of a call `uses_kernels` sends to the exact PyTorch reference."""
+def reference_plan(q: torch.Tensor, backward_needed: bool, reason: str | None = None) -> CallPlan:
+    """The plan of a call sent to the exact PyTorch reference: by `uses_kernels` (CPU
+    tensors), or for `reason` (what the kernels do not serve yet)."""
     reference = PassPlan(REFERENCE, "queries in chunks, O(chunk x Sk) memory",
-                         refused=(Refusal("triton", _reference_reason(q)),))
+                         refused=(Refusal("triton", reason or _reference_reason(q)),))
     return CallPlan(reference, reference, backward_needed)
 
 

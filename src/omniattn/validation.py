@@ -126,6 +126,26 @@ def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
                          f"size-1 dims broadcast")
 
 
+def check_topk(topk, topk_scores, attn_bias, q: torch.Tensor, k: torch.Tensor,
+               packed: PackedSequences | None) -> None:
+    """topk: None or a positive int; topk_scores: None (the attn_bias selects) or a float
+    tensor laid out like attn_bias, and only with topk."""
+    if topk is None:
+        if topk_scores is not None:
+            raise ValueError("topk_scores selects keys only with topk: pass topk=K (the keys "
+                             "each row keeps) too")
+        return
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be a positive int or None, got {type(topk).__name__}")
+    if topk <= 0:
+        raise ValueError(f"topk must be a positive int (the keys each row keeps), got {topk}")
+    if topk_scores is None and attn_bias is None:
+        raise ValueError("topk needs scores to select by: pass topk_scores, or an attn_bias "
+                         "(the default scores)")
+    if topk_scores is not None:
+        check_elementwise("topk_scores", topk_scores, SUPPORTED_DTYPES, q, k, packed)
+
+
 def check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   check_inputs: bool) -> PackedSequences:
     """cu_seqlens_q/k: int32 (B + 1,) on q's device, from 0 to total, non-decreasing;
