@@ -283,3 +283,75 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
            MASK_COLS_SHARED=mask is not None and mask.cols_shared,
            num_warps=1 if interpreting() else RADIX_NUM_WARPS)
     return RowThresholds(threshold, last_tie)
+
+
+@triton.jit
+def _keep_mask_kernel(
+    Scores, stride_sb, stride_sh, stride_sm, stride_sn, scores_div,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_div,
+    Threshold, LastTie, stride_tb, stride_th, stride_tm, threshold_div,
+    Keep, stride_kb, stride_kh, stride_km, seqlen_q, seqlen_k, heads_out, window_left,
+    window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr,
+    SCORES_COLS_SHARED: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr,
+    MASK_COLS_SHARED: tl.constexpr,
+):
+    """The kept keys of a [BLOCK_M, BLOCK_N] tile, program (row tile, key tile, batch x
+    heads_out): visible and at or above the row's threshold pair (predicate.topk_keep), as
+    uint8 into Keep (B, heads_out, Sq, Sk)."""
+    off_b = tl.program_id(2) // heads_out
+    off_h = tl.program_id(2) % heads_out
+    start_m = tl.program_id(0) * BLOCK_M
+    start_n = tl.program_id(1) * BLOCK_N
+    rows = start_m + tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    inside = rows < seqlen_q
+    scores = Scores + off_b.to(tl.int64) * stride_sb + (off_h // scores_div).to(tl.int64) \
+        * stride_sh + start_m.to(tl.int64) * stride_sm
+    mask = Mask + off_b.to(tl.int64) * stride_mb + (off_h // mask_div).to(tl.int64) * stride_mh \
+        + start_m.to(tl.int64) * stride_mm
+    placeholder = Scores
+    keys, visible = tile_keys(
+        scores, mask, placeholder, placeholder, placeholder, rows, start_n,
+        tl.where(inside, seqlen_k, 0), seqlen_q - start_m, seqlen_q, seqlen_k,
+        seqlen_k - seqlen_q, window_left, window_right, stride_sm, stride_sn, stride_mm,
+        stride_mn, 0, 0, 0, 0, 1, 1, -1, -1, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, False,
+        False, SCORES_ROWS_SHARED, SCORES_COLS_SHARED, MASK_ROWS_SHARED, MASK_COLS_SHARED)
+    pairs = off_b.to(tl.int64) * stride_tb + (off_h // threshold_div) * stride_th \
+        + rows * stride_tm
+    threshold = tl.load(Threshold + pairs, mask=inside, other=0)
+    last_tie = tl.load(LastTie + pairs, mask=inside, other=0)
+    threshold = (threshold.to(tl.uint32, bitcast=True) ^ 0x80000000)[:, None]
+    keep = visible & ((keys > threshold) | ((keys == threshold)
+                                           & (cols[None, :] <= last_tie[:, None])))
+    out = Keep + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh \
+        + rows[:, None].to(tl.int64) * stride_km + cols[None, :]
+    tl.store(out, keep.to(tl.uint8), mask=inside[:, None] & (cols[None, :] < seqlen_k))
+
+
+def keep_mask(pairs: RowThresholds, scores: Elementwise, args: KernelArgs, batch: int,
+              seqlen_q: int, seqlen_k: int, heads: int,
+              mask: Elementwise | None = None) -> torch.Tensor:
+    """Bool (B, heads, Sq, Sk): the keys `pairs` (from row_thresholds on the same scores, mask
+    and causal / window bounds; (B, Hs, Sq|1)) keep, the mask materialised. Integer
+    comparisons of the same order keys: bit-identical to predicate.topk_keep."""
+    device = scores.tensor.device
+    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool, device=device)
+    if keep.numel() == 0:
+        return keep
+    block_m, block_n = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N) if interpreting() else (32, 128)
+    unused = (placeholder(device, torch.float32), 0, 0, 0, 0)
+    threshold = pairs.threshold
+    launch(_keep_mask_kernel, (cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n), batch * heads),
+           *scores.operands()[:-1], _head_div(heads, scores.tensor),
+           *(mask.operands()[:-1] if mask is not None else unused),
+           _head_div(heads, mask.tensor if mask is not None else None),
+           threshold, pairs.last_tie, *broadcast_strides(threshold), _head_div(heads, threshold),
+           keep.view(torch.uint8), *keep.stride()[:3], seqlen_q, seqlen_k, heads,
+           args.window_left, args.window_right, BLOCK_M=block_m, BLOCK_N=block_n,
+           HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, HAS_MASK=mask is not None,
+           SCORES_ROWS_SHARED=scores.rows_shared, SCORES_COLS_SHARED=scores.cols_shared,
+           MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+           MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+           num_warps=1 if interpreting() else 4)
+    return keep
