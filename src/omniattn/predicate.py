@@ -195,7 +195,8 @@ class RowThresholds:
 
 def topk_keep(keys: torch.Tensor, threshold: torch.Tensor, last_tie: torch.Tensor) -> torch.Tensor:
     """Bool (..., Sk): which keys the threshold pairs (...) keep, visibility aside; keys (..., Sk)
-    order keys (broadcastable)."""
+    order keys (broadcastable but for Sk, which gives the key indices: expand scores shared by
+    the keys)."""
     key_idx = torch.arange(keys.shape[-1], device=keys.device)
     threshold, last_tie = threshold[..., None], last_tie[..., None]
     return (keys > threshold) | ((keys == threshold) & (key_idx <= last_tie))
@@ -203,9 +204,10 @@ def topk_keep(keys: torch.Tensor, threshold: torch.Tensor, last_tie: torch.Tenso
 
 def select_thresholds(keys: torch.Tensor, visible: torch.Tensor | None,
                       topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold, last_tie) int32 (...) of rows whose order keys are keys (..., Sk|1) and
-    visible keys `visible` (bool (..., Sk), broadcastable; None: all), exactly as the rule and
-    RowThresholds say. O(rows x Sk) memory: callers pass chunks of rows."""
+    """(threshold, last_tie) int32 (...) of rows whose order keys are keys (..., Sk) and visible
+    keys `visible` (bool (..., Sk), broadcastable; None: all), exactly as the rule and
+    RowThresholds say. keys are broadcastable but for Sk, which counts the keys (expand scores
+    shared by the keys). O(rows x Sk) memory: callers pass chunks of rows."""
     shape = keys.shape if visible is None else torch.broadcast_shapes(keys.shape, visible.shape)
     seqlen_k = shape[-1]
     keep_all = torch.full(shape[:-1], KEEP_ALL, dtype=torch.int32, device=keys.device)

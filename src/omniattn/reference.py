@@ -74,6 +74,7 @@ class _KeyVisibility:
             keep = by_len if keep is None else keep & by_len
         if self.topk is not None:
             keys = order_keys(scores)
+            keys = keys.expand(*keys.shape[:-1], self.seqlen_k)  # scores shared by the keys
             threshold, last_tie = select_thresholds(keys, keep, self.topk)
             by_topk = topk_keep(keys, threshold, last_tie)
             keep = by_topk if keep is None else keep & by_topk
@@ -378,7 +379,8 @@ def _thresholds(seqlen_q, seqlen_k, num_heads, num_heads_k, heads, topk, scores,
 
         lens = row_lens[:, start:stop] if row_lens is not None else None
         keep = visibility.keep(start, stop - start, rows(mask5), lens, scores.device)
-        pair = select_thresholds(order_keys(rows(scores5)), keep, topk)
+        keys = order_keys(rows(scores5))
+        pair = select_thresholds(keys.expand(*keys.shape[:-1], seqlen_k), keep, topk)
         pairs.append([t.expand(batch, *split, stop - start).reshape(batch, heads, stop - start)
                       for t in pair])
     if not pairs:  # Sq = 0

@@ -28,6 +28,7 @@ from ..runtime.switches import interpreting
 from .common import implicit_kv_range, load_pair_tile, sequence_bounds, visible_elements
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs
+from .select_ranges import range_thresholds
 from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
 from .sizes import cdiv
 
@@ -245,7 +246,6 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         return RowThresholds(threshold, last_tie)
     if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
             and (rows_differ or packed is not None):
-        from .select_ranges import range_thresholds
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
                          threshold, last_tie)
         return RowThresholds(threshold, last_tie)

@@ -78,6 +78,7 @@ def topk_mask(scores: torch.Tensor, window_size: int, attention_mask: torch.Tens
             by_causal = RelativePredicate.make(causal=True).visible(q_idx, shape[-2], seqlen_k)
             chunk_allowed = by_causal if chunk_allowed is None else chunk_allowed & by_causal
         keys = order_keys(chunk_scores)
+        keys = keys.expand(*keys.shape[:-1], seqlen_k)  # scores shared by the keys
         keep = topk_keep(keys, *select_thresholds(keys, chunk_allowed, window_size))
         if chunk_allowed is not None:
             keep = keep & chunk_allowed
