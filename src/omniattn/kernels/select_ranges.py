@@ -6,8 +6,8 @@ Every key gets its rank in the rule's order (valid first, larger score first, lo
 one stable sort per key array). A row's selection is then the topk-th smallest rank within its
 range [lo, hi), which a wavelet matrix over the ranks answers in log2(Sk) steps of two counts
 each: build O(Sk log Sk) per key array, O(Sq log Sk) for the rows, against O(Sq x Sk) for
-rescanning each causal prefix. Memory: log2(Sk) + 4 int32 per key and array (issue #53: 128k
-keys, 16 heads: 150 MB), nothing per (row, key).
+rescanning each causal prefix. Memory: log2(Sk) + 5 int32 per key and array (16 bytes per key
+while sorting), nothing per (row, key): 128k keys, 16 heads: 190 MB.
 """
 from __future__ import annotations
 
@@ -75,9 +75,10 @@ def _range_select_kernel(
     HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Threshold pairs of BLOCK_M rows of one (batch, head), program (row tile, batch x
-    heads_out). Per array (batch if array_batched, head): Keys int32 order keys and Perm int32
-    (key index of each rank), Sk = array_k of each; Valid int32 (Sk + 1,) prefix counts of
-    valid keys; Zeros the wavelet matrix (_rank_levels_kernel)."""
+    heads_out). Per array (batch if array_batched, head), Sk = array_k: Keys int32 order keys
+    (KEEP_ALL where the mask hides the key), Perm int32 the key of each rank, Valid int32
+    (Sk + 1,) counts of the keys the mask lets through before each, Zeros the wavelet matrix
+    (_rank_levels_kernel)."""
     off_b = tl.program_id(1) // heads_out
     off_h = tl.program_id(1) % heads_out
     first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
@@ -147,37 +148,33 @@ def range_thresholds(topk: int, scores: Elementwise, mask: Elementwise | None, a
     heads = threshold.shape[1]
     device = threshold.device
     keys = order_keys(_key_arrays(scores.tensor, heads))
-    valid = torch.ones((), dtype=torch.bool, device=device) if mask is None \
-        else _key_arrays(mask.tensor, heads) != 0
+    if mask is not None:
+        # keys the mask hides rank last: KEEP_ALL lies below every order key
+        keys = torch.where(_key_arrays(mask.tensor, heads) != 0, keys, KEEP_ALL)
     array_k = scores.tensor.shape[-1] if not scores.cols_shared else (
         mask.tensor.shape[-1] if mask is not None and not mask.cols_shared else seqlen_k)
-    keys, valid = torch.broadcast_tensors(keys, valid)
-    shape = (*keys.shape[:2], array_k)
-    keys, valid = keys.expand(shape), valid.expand(shape)
-    # the rule's order as one int64: valid first, then the unsigned order key; stable sort
-    # leaves ties by index
-    order = (valid.long() << 32) | (keys.long() + 2 ** 31)
-    perm = order.sort(dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(perm).scatter_(-1, perm, torch.arange(array_k, device=device)
-                                            .expand_as(perm))
-    num_arrays = shape[0] * shape[1]
-    num_levels = max(1, (array_k - 1).bit_length())
+    keys = keys.expand(*keys.shape[:2], array_k).contiguous()
+    num_arrays, num_levels = keys.shape[0] * keys.shape[1], max(1, (array_k - 1).bit_length())
+    valid_before = torch.nn.functional.pad((keys != KEEP_ALL).cumsum(-1, dtype=torch.int32),
+                                           (1, 0))
+    # the rule's order: a stable sort keeps keys scoring alike in index order
+    perm = keys.sort(dim=-1, descending=True, stable=True).indices.view(num_arrays, array_k)
     work = torch.empty(num_arrays, 2, array_k, dtype=torch.int32, device=device)
-    work[:, 1] = ranks.view(num_arrays, array_k)
+    ranks = torch.arange(array_k, dtype=torch.int32, device=device).expand(num_arrays, array_k)
+    work[:, 1].scatter_(-1, perm, ranks)
+    perm = perm.to(torch.int32)
     zeros = torch.empty(num_arrays, num_levels, array_k + 1, dtype=torch.int32, device=device)
     build = 32 if interpreting() else min(BUILD_BLOCK, next_power_of_2(array_k))
     launch(_rank_levels_kernel, (num_arrays,), work, zeros, array_k, num_levels, BLOCK=build,
            num_warps=1 if interpreting() else 8)
-    valid_before = torch.nn.functional.pad(valid.int().cumsum(-1, dtype=torch.int32), (1, 0))
     block_m = 16 if interpreting() else RANGE_BLOCK_M
     row_operands = (placeholder(device), 0) if row_lens is None else \
         (row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0)
     num_batches = packed.batch if packed is not None else batch
     launch(_range_select_kernel, (cdiv(seqlen_q, block_m), num_batches * heads),
-           keys.contiguous(), perm.to(torch.int32).contiguous(), valid_before.contiguous(),
-           zeros, *row_operands, *packed_operands(packed, device), threshold, last_tie,
+           keys, perm, valid_before, zeros, *row_operands, *packed_operands(packed, device), threshold, last_tie,
            0 if packed is not None else threshold.stride(0), threshold.stride(1),
-           topk, seqlen_q, seqlen_k, array_k, heads, int(shape[0] > 1), args.window_left,
+           topk, seqlen_q, seqlen_k, array_k, heads, int(keys.shape[0] > 1), args.window_left,
            args.window_right, num_levels, 1 << (num_levels - 1), BLOCK_M=block_m,
            HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, HAS_ROW_LENS=row_lens is not None,
            VARLEN=packed is not None, num_warps=1 if interpreting() else 4)
