@@ -5,8 +5,14 @@ predicate.topk_keep. Under the interpreter without a GPU (fp32 / fp16 scores: it
 wrongly)."""
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton
 
 import omniattn
 from helpers import DEVICE, GPU, random_block_mask
@@ -175,6 +181,54 @@ def test_topk_of_every_key_launches_nothing(monkeypatch):
     scores = scores_with_ties((1, 1, 1, 8), 50)
     got, expected = run_both(1, 8, 8, 2, 2, 8, scores, causal=True)
     assert_same_pairs(got, expected)
+
+
+# every select kernel's launch, compiled for sm_90a in place of running (no GPU needed)
+_COMPILE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from kernel_resources import launches_compiled
+import omniattn
+from omniattn.kernels.elementwise import Elementwise
+from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels.select import keep_mask, row_thresholds
+from omniattn.predicate import RowThresholds
+reports, (b, s, h) = [], (2, 256, 4)
+causal = KernelArgs.make(64, True, None, None, 0.0)
+names = {"_radix_select_kernel", "_rank_levels_kernel", "_range_select_kernel",
+         "_keep_mask_kernel"}
+with launches_compiled(names, reports):
+    full = Elementwise.of(torch.randn(b, h, s, s, dtype=torch.bfloat16), h)
+    mask = Elementwise.of(torch.ones(b, 1, s, s, dtype=torch.bool), h)
+    row_thresholds(64, full, causal, b, s, s, h, h, mask=mask,
+                   row_lens=torch.full((b, s), s, dtype=torch.int32))
+    blocks = omniattn.block_mask_from_predicate(lambda b, h, q, k: (q - k) % 3 != 0, 1, 1, s, s,
+                                                block_size=64)
+    key = Elementwise.of(torch.randn(b, h, 1, s, dtype=torch.bfloat16), h)
+    row_thresholds(64, key, causal, b, s, s, h, h, block_mask=blocks)
+    row_thresholds(64, key, causal, b, s, s, h, h)
+    pairs = RowThresholds(*(torch.zeros(b, h, s, dtype=torch.int32) for _ in range(2)))
+    keep_mask(pairs, key, causal, b, s, s, h, mask)
+for r in reports:
+    print(r["kernel"])
+"""
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+def test_kernels_compile_for_hopper():
+    """The interpreter types less strictly than the compiler: each kernel (radix select with
+    masks, lengths and a block mask with bitmaps; the wavelet build and queries; the mask
+    writer) compiles for sm_90a. (Untuned: the radix select with a block mask's bitmaps spills
+    20 bytes at 255 registers.)"""
+    benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(benchmarks)], capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(set(run.stdout.split())) == [
+        "_keep_mask_kernel", "_radix_select_kernel", "_range_select_kernel",
+        "_rank_levels_kernel"]
 
 
 @pytest.mark.gpu
