@@ -123,7 +123,7 @@ def _masked_lse(lse):
 
 def _single_process(q, k, v, dout, dlse, kwargs, upcast: bool):
     """(out, lse, dq, dk, dv[, dbias]) of the single-process call: the float64 reference
-    (upcast) or plain PyTorch in the inputs' dtype. topk cases run omniattn.attention."""
+    (upcast) or plain PyTorch in the inputs' dtype (top-k included)."""
     from omniattn.reference import attention_reference
 
     kwargs = dict(kwargs)
@@ -132,10 +132,7 @@ def _single_process(q, k, v, dout, dlse, kwargs, upcast: bool):
               for t in leaves]
     if "attn_bias" in kwargs:
         kwargs["attn_bias"] = leaves[3]
-    if "topk" in kwargs:
-        out, lse = _local_attention()(*leaves[:3], return_lse=True, **kwargs)
-    else:
-        out, lse = attention_reference(*leaves[:3], return_lse=True, upcast=upcast, **kwargs)
+    out, lse = attention_reference(*leaves[:3], return_lse=True, upcast=upcast, **kwargs)
     loss = (out * dout.to(out.dtype)).sum() + (_masked_lse(lse) * dlse.to(lse.dtype)).sum()
     return (out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves))
 
