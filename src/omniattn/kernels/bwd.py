@@ -285,6 +285,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     grid = (batch * num_heads_k, n_programs) if longest_first \
         else (n_programs, batch * num_heads_k)
     even = packed is None
+    bit_slots, bit_strides, block_bits = bits.operands() if bits is not None \
+        else BlockBits.placeholder_operands(q.device)
     launch(bwd_kernel, grid,
         q, k, v, dout, lse, delta, dq_sum, dk, dv,
         *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
@@ -294,8 +296,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
         *(bias.operands() if bias is not None else unused),
         *dbias_operands,
         *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
-        *(bits.operands() if bits is not None
-          else BlockBits.placeholder_operands(q.device)),
+        bit_slots, *bit_strides, block_bits,
         seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
         seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
         args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
