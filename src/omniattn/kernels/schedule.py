@@ -132,12 +132,6 @@ class BlockBits:
         return (placeholder(device), (0, 0, 0, 0), placeholder(device, torch.uint8))
 
     @staticmethod
-    def kernel_flags(bits: "BlockBits | None") -> dict:
-        """The attention kernels' constexprs for optional bitmaps (user block 1x1 without)."""
-        return dict(HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
-                    USER_BK=bits.block_k if bits is not None else 1)
-
-    @staticmethod
     def kernel_form(bits: "BlockBits | None") -> tuple[bool, int, int]:
         """The Triton kernels' BITS_FORM for optional bitmaps: (given, user block rows, columns),
         the user block 1x1 without."""
