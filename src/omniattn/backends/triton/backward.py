@@ -18,7 +18,7 @@ from ...kernels.sequences import (PackedSequences, batch_shape, broadcast_stride
                                   lse_strides, packed_operands, placeholder, row_lens_operands,
                                   row_strides, tma_compatible)
 from ...kernels.sizes import cdiv, next_power_of_2, padded_head_dim
-from ...runtime.launch import launch
+from ...runtime.launch import launch, tensors_then_tuple
 from ..gluon_sm90.backward import backward_row_stats, hopper_backward
 from ..gluon_sm90.backward_wide import hopper_backward_wide
 from ..gluon_sm90.blocks import flat_rows
@@ -249,7 +249,8 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     else:
         fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
-    dbias_operands = (dbias_buffer, *dbias_strides) if bias_grad else unused[:5]
+    dbias_operands = (dbias_buffer, dbias_strides) if bias_grad \
+        else tensors_then_tuple(unused[:5], 1)
     dq_sum = dq
     if atomic_dq:
         # fp32, laid out like q: the dK/dV programs add their shares
@@ -288,32 +289,33 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     even = packed is None
     launch(bwd_kernel, grid,
         q, k, v, dout, lse, delta, dq_sum, dk, dv,
-        *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(dout),
-        *row_strides(dq_sum), *row_strides(dk), *row_strides(dv), *lse_strides(lse),
-        *fwd_sched, *t_sched,
-        *(mask.operands() if mask is not None else unused),
-        *(bias.operands() if bias is not None else unused),
+        row_strides(q), row_strides(k), row_strides(v), row_strides(dout), row_strides(dq_sum),
+        row_strides(dk), row_strides(dv), lse_strides(lse),
+        *tensors_then_tuple(fwd_sched, 4), *tensors_then_tuple(t_sched, 4),
+        *tensors_then_tuple(mask.operands() if mask is not None else unused, 1),
+        *tensors_then_tuple(bias.operands() if bias is not None else unused, 1),
         *dbias_operands,
         *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
         *(bits.operands() if bits is not None
           else BlockBits.placeholder_operands(q.device)),
-        seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
-        seqlen_k - seqlen_q, args.window_left, args.window_right, args.softmax_scale,
-        args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PER_PROGRAM=heads_per_program,
-        BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2, BLOCK_N2=block_n2,
-        HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
-        **Elementwise.kernel_flags(mask, bias),
-        HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
-        DBIAS=bias_grad, DBIAS_PER_QHEAD=dbias_per_qhead, DBIAS_TILES_IN_DQ=dbias_tiles_in_dq,
-        EXPLICIT=schedule is not None,
-        EVEN_M1=even and seqlen_q % block_m1 == 0, EVEN_N1=even and seqlen_k % block_n1 == 0,
-        EVEN_M2=even and seqlen_q % block_m2 == 0, EVEN_N2=even and seqlen_k % block_n2 == 0,
-        **BlockBits.kernel_flags(bits),
-        DOT_PRECISION=KernelArgs.dot_precision(q.dtype), ATOMIC_DQ=atomic_dq,
-        LENGTH_RANGES=row_lens is not None and schedule is None, ROW_ORDER=row_order is not None,
-        LONGEST_FIRST=longest_first, DKDV_APART=cfg.dkdv_apart, num_warps=num_warps,
-        num_stages=num_stages,
+        (seqlen_q, seqlen_k, num_heads, group), (n_tiles_n, n_tiles_m),
+        (seqlen_k - seqlen_q, args.window_left, args.window_right), args.softmax_scale,
+        (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2),
+        (dropout[1], dropout[0]),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PROGRAMS=(heads_per_program, cfg.dkdv_apart, atomic_dq, longest_first),
+        DKDV_TILE=(block_m1, block_n1, even and seqlen_q % block_m1 == 0,
+                   even and seqlen_k % block_n1 == 0),
+        DQ_TILE=(block_m2, block_n2, even and seqlen_q % block_m2 == 0,
+                 even and seqlen_k % block_n2 == 0),
+        WINDOW_FORM=(args.has_left, args.has_right), SOFTCAP=args.softcap > 0,
+        MASK_FORM=Elementwise.form(mask), BIAS_FORM=Elementwise.form(bias),
+        DBIAS_FORM=(bias_grad, dbias_per_qhead, dbias_tiles_in_dq),
+        ROW_LENS_FORM=(row_lens is not None, row_lens is not None and schedule is None,
+                       row_order is not None),
+        VARLEN=packed is not None, DROPOUT=dropout[0] > 0, EXPLICIT=schedule is not None,
+        BITS_FORM=BlockBits.kernel_form(bits), DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)
