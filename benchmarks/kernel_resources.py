@@ -35,12 +35,12 @@ from omniattn.backends.gluon_sm90 import backward as bwd_hopper
 from omniattn.backends.gluon_sm90 import backward_wide as bwd_hopper_wide
 from omniattn.backends.gluon_sm90 import configs as gluon_configs
 from omniattn.backends.gluon_sm90 import forward as fwd_hopper
-from omniattn.backends.triton import backward as bwd
 from omniattn.backends.triton import configs
 from omniattn.backends.triton import forward as fwd
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs, TileLists
 from omniattn.kernels.sequences import PackedSequences
+from omniattn.passes import attention_backward, attention_forward
 from omniattn.predicate import FULL, PARTIAL
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -233,11 +233,11 @@ def main() -> None:
                             "_bwd_hopper_kernel", "_bwd_wide_kernel"}, reports):
         if opts.kernel == "fwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)
-            fwd.attention_forward(q, k, v, args, mask=mask, bias=bias)
+            attention_forward(q, k, v, args, mask=mask, bias=bias)
         elif opts.kernel == "bwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)
-            bwd.attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
-                                   bias_grad=bias is not None)
+            attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
+                               bias_grad=bias is not None)
         else:
             _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
                         opts.row_lengths, opts.packed)

@@ -8,11 +8,10 @@ from typing import NamedTuple
 
 import torch
 
-from .backends.triton.backward import attention_backward
-from .backends.triton.forward import attention_forward
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, lse_shape
+from .passes import attention_backward, attention_forward
 from .runtime import call_plans
 
 

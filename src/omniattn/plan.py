@@ -19,12 +19,13 @@ from .backends.gluon_sm90.blocks import gluon_refusal
 from .backends.gluon_sm90.configs import (hopper_backward_config, hopper_backward_splits_head_dim,
                                           hopper_forward_config)
 from .backends.gluon_sm90.forward import hopper_forward_refusal
-from .backends.triton.backward import GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD
+from .backends.triton.backward import backward_tiles
 from .backends.triton.configs import backward_config, forward_config
-from .backends.triton.forward import GLUON_FORWARD, TRITON_FORWARD
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, tma_compatible
+from .passes import (GLUON_BACKWARD, GLUON_BACKWARD_WIDE, GLUON_FORWARD, TRITON_BACKWARD,
+                     TRITON_FORWARD)
 from .predicate import RelativePredicate
 from .runtime.switches import interpreting, tma_enabled
 
@@ -230,11 +231,8 @@ def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tu
     if lists is not None:
         return lists.dkdv if backward else lists.forward
     if backward:
-        causal_only = args.has_right and args.window_right == 0 and not args.has_left \
-            and args.softcap == 0 and form.bias is None and form.row_lens is None \
-            and form.packed is None and not form.dropout
-        cfg = backward_config(head_dim, dtype, masked=args.masked, full_bias=form.full_bias,
-                              causal_only=causal_only)
+        cfg = backward_tiles(head_dim, dtype, args, False, form.bias, form.row_lens is not None,
+                             form.packed is not None, bool(form.dropout))
         return cfg.block_m1, cfg.block_n1
     tma = tma_enabled(form.q.device) and tma_compatible(form.q, form.k, form.v)
     cfg = forward_config(head_dim, dtype, args.masked, form.bias is not None, tma)

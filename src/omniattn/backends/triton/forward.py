@@ -12,16 +12,12 @@ from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv
                                visible_elements)
 from ...kernels.elementwise import Elementwise
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
-from ...kernels.sequences import (PackedSequences, batch_shape, check_row_order, lse_shape,
-                                  lse_strides, packed_operands, row_lens_operands, row_strides,
-                                  tma_compatible)
+from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
+                                  row_lens_operands, row_strides, tma_compatible)
 from ...kernels.sizes import cdiv, padded_head_dim
 from ...runtime.launch import descriptor_workspace, launch, tensors_then_tuple
 from ...runtime.switches import tma_enabled
-from ..gluon_sm90.forward import hopper_forward
 from .configs import DROPOUT_MAX_STAGES, forward_config
-
-GLUON_FORWARD, TRITON_FORWARD = "fwd_hopper", "fwd"  # the kernels a plan names
 
 
 @triton.jit
@@ -291,42 +287,17 @@ def _fwd_kernel(
             tl.store(o_ptrs, out, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                      schedule: TileLists | None = None, bits: BlockBits | None = None,
-                      mask: Elementwise | None = None,
-                      bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
-                      packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
-                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      row_order: torch.Tensor | None = None,
-                      kernel: str = TRITON_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
-    packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
-    `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
-    the block mask's element bitmaps `bits` and the per-row key lengths row_lens (int32 (B, Sq)
-    or packed (total_q,)) are applied in its PARTIAL tiles, the bias in every visited tile.
-    row_lens without a schedule (not packed): each query tile's key range comes from its rows'
-    lengths, which the backward pass needs sorted longest first within each batch: with
-    row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
-    and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
-    dropout: (p, seed) of the Philox stream.
-    `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
-    kernel: the plan's (plan.py): GLUON_FORWARD runs fwd_hopper.py's kernel, which the plan
-    gives only calls it takes; TRITON_FORWARD this module's."""
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                   out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None,
+                   bits: BlockBits | None, mask: Elementwise | None, bias: Elementwise | None,
+                   row_lens: torch.Tensor | None, packed: PackedSequences | None,
+                   dropout: tuple[float, int], row_order: torch.Tensor | None) -> None:
+    """The Triton forward into out / lse, for a call with keys and queries (`passes.
+    attention_forward` has the layouts and the arguments' meaning)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
-    check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
     num_heads_k = k.shape[-2]
-    out = torch.empty_like(q) if out is None else out
-    if lse is None:
-        lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
-    if k.numel() == 0:  # every row sees no key
-        return out.zero_(), lse.fill_(float("-inf"))
-    if out.numel() == 0:
-        return out, lse
     elementwise = mask is not None or bias is not None
-    if kernel == GLUON_FORWARD:
-        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
-        return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None
     cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
@@ -372,4 +343,3 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
             num_warps=num_warps, num_stages=num_stages,
         )
-    return out, lse
