@@ -5,6 +5,7 @@ sequences, and whether the Gluon kernels can run a call at all (`gluon_refusal`)
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -18,6 +19,22 @@ from .configs import (compute_capability, gluon_enabled, hopper_backward_config,
 from .elementwise import Elementwise
 from .schedule import KernelArgs
 from .sequences import tma_compatible
+
+
+class ElementForm(NamedTuple):
+    """How a Gluon kernel takes a mask or bias: a constexpr whose fields the kernels read by name
+    (`MASK_FORM.tma`; a field is a Python bool there, so not an item of a tuple built in a
+    kernel: pass the form)."""
+    given: bool
+    tma: bool  # its tiles come from the producer, by TMA
+    rows_shared: bool  # one row for every query
+    cols_shared: bool  # one column for every key
+
+    @staticmethod
+    def of(elementwise: Elementwise | None, by_tma: bool = False) -> "ElementForm":
+        if elementwise is None:
+            return ElementForm(False, False, False, False)
+        return ElementForm(True, by_tma, elementwise.rows_shared, elementwise.cols_shared)
 
 
 @gluon.jit
