@@ -244,6 +244,8 @@ def backward_from_output(call: ForwardCall, dout, out, lse, dlse, bias_grad: boo
     """(dq, dk, dv, dbias or None) of a forward call (kernel_inputs) from an out and lse given
     rather than computed by it (its backward alone), replayed from a call plan where there is
     one."""
+    # the launcher reads lse and dlse at the strides of the delta it lays out like a dense lse
+    lse, dlse = lse.contiguous(), dlse.contiguous() if dlse is not None else None
     dq, dk, dv, dbias = _planned_backward(None, BackwardCall(
         dout, call.q, call.k, call.v, out, lse, dlse, call.attn_mask, call.attn_bias,
         call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,

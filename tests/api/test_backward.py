@@ -98,28 +98,41 @@ def test_equals_attention_autograd(monkeypatch, path, mask, with_dlse):
     _check([g for g in got if g is not None], exact, attention_grads)
 
 
-@pytest.mark.parametrize("split", [1, 20], ids=["one_key", "halves"])
+def _sum(a, b):
+    return (a.float() + b.float()).to(a.dtype)
+
+
+@pytest.mark.parametrize("cut", ["one_key", "key_halves", "row_halves"])
 @pytest.mark.parametrize("path", PATHS)
-def test_parts_of_a_larger_softmax(monkeypatch, path, split):
-    """Keys cut in two, each part's backward from the whole call's out and lse: dq sums the
-    parts', dk / dv / the key bias's gradient join them; a part of one key has a one-column
-    bias, whose gradient sums over its key."""
+def test_parts_of_a_larger_softmax(monkeypatch, path, cut):
+    """A call cut in two, each part's backward from the whole call's out and lse (the pieces
+    of the distributed ring). Keys cut: dq sums the parts', dk / dv / the key bias's gradient
+    join them; a part of one key has a one-column bias, whose gradient sums over its key. Rows
+    cut (strided views of out, lse and dlse): dq joins, the others sum."""
     if path == "reference":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-    generator = torch.Generator().manual_seed(split)
-    q, k, v = random_qkv(1, SEQLEN_Q, SEQLEN_K, 4, 1, 16, DTYPE, requires_grad=False)
+    generator = torch.Generator().manual_seed(len(cut))
+    q, k, v = random_qkv(2, SEQLEN_Q, SEQLEN_K, 4, 1, 16, DTYPE, requires_grad=False)
     bias = torch.randn(1, 4, 1, SEQLEN_K, generator=generator).to(DEVICE, DTYPE)
     dout = torch.randn(q.shape, generator=generator).to(DEVICE, DTYPE)
-    dlse = torch.randn(1, 4, SEQLEN_Q, generator=generator).to(DEVICE)
+    dlse = torch.randn(2, 4, SEQLEN_Q, generator=generator).to(DEVICE)
     options = {"attn_bias": bias.requires_grad_(), "softcap": 2.0}
     out, lse, *attention_grads = _attention_gradients(q, k, v, dout, dlse, options, False)
     exact = _attention_gradients(q, k, v, dout, dlse, options, True)[2:]
-    parts = [attention_backward(dout, q, k[:, keys], v[:, keys], out, lse, dlse,
-                                attn_bias=bias[..., keys].detach().requires_grad_(),
-                                softcap=2.0)
-             for keys in (slice(0, split), slice(split, SEQLEN_K))]
-    got = [parts[0][0].float() + parts[1][0].float()] + [
-        torch.cat([parts[0][i], parts[1][i]], dim=1 if i < 3 else 3) for i in (1, 2, 3)]
+    if cut == "row_halves":
+        parts = [attention_backward(dout[:, rows], q[:, rows], k, v, out[:, rows],
+                                    lse[..., rows], dlse[..., rows], **options)
+                 for rows in (slice(0, 20), slice(20, SEQLEN_Q))]
+        got = [torch.cat([parts[0][0], parts[1][0]], dim=1)] + [
+            _sum(parts[0][i], parts[1][i]) for i in (1, 2, 3)]
+    else:
+        split = 1 if cut == "one_key" else 20
+        parts = [attention_backward(dout, q, k[:, keys], v[:, keys], out, lse, dlse,
+                                    attn_bias=bias[..., keys].detach().requires_grad_(),
+                                    softcap=2.0)
+                 for keys in (slice(0, split), slice(split, SEQLEN_K))]
+        got = [_sum(parts[0][0], parts[1][0])] + [
+            torch.cat([parts[0][i], parts[1][i]], dim=1 if i < 3 else 3) for i in (1, 2, 3)]
     _check(got, exact, attention_grads)
 
 
