@@ -86,11 +86,13 @@ class _RingAttention(torch.autograd.Function):
             if grads_in is not None:
                 for grad, arrived in zip(grads, grads_in.wait()):
                     grad.add_(arrived)
+            if step == schedule.world - 1:
+                # complete sums now, for their owner: the last hop (the one not overlapped with
+                # compute) carries them in their own dtype (bf16: half the bytes of float32)
+                grads = [grad.to(t.dtype) for grad, t in zip(grads, held)]
             if ring is not None:
                 grads_in = ring.start(grads)  # to the next rank; the previous rank's arrive
             if transfer is not None:
                 held = transfer.wait()
-        key_grads = grads_in.wait() if grads_in is not None else grads
-        dk, dv = key_grads[0].to(k.dtype), key_grads[1].to(v.dtype)
-        dbias = key_grads[2].to(attn_bias.dtype) if bias_grad else None
-        return dq.to(q.dtype), dk, dv, dbias, None, None, None
+        dk, dv, *dbias = grads_in.wait() if grads_in is not None else grads
+        return dq.to(q.dtype), dk, dv, dbias[0] if bias_grad else None, None, None, None
