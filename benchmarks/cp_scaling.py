@@ -274,7 +274,7 @@ def cp_worker(rank: int, settings: Settings, init_file: str, out_file: str) -> N
             for method in settings.methods:
                 record = {"case": case, "method": method, "seqlen": seqlen}
 
-                def measure(record, method=method, options=options):
+                def measure(record, method=method, leaves=leaves, dout=dout, options=options):
                     def attend(*qkv):
                         return cp.attention(*qkv, method=method, **options)
 
@@ -291,7 +291,7 @@ def cp_worker(rank: int, settings: Settings, init_file: str, out_file: str) -> N
                 records.append(record)
                 if rank == 0:  # kept if a later call kills the processes
                     pathlib.Path(out_file).write_text(json.dumps({"cp": records, "checks": []}))
-            del leaves, dout, options
+            del leaves, dout, options  # before the next case's inputs
     for case in settings.cases:
         record = {"case": case, "seqlen": settings.check_seqlen}
         _recorded(record, lambda record, case=case: checks.extend(

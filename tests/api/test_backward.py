@@ -136,6 +136,25 @@ def test_parts_of_a_larger_softmax(monkeypatch, path, cut):
     _check(got, exact, attention_grads)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_sequences(monkeypatch, path):
+    """Packed (varlen) calls: lse (H, total_q), causal per sequence."""
+    if path == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    generator = torch.Generator().manual_seed(5)
+    cu_q = torch.tensor([0, 13, 13, 40], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 9, 30, 52], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(total, heads, 16, generator=generator).to(DEVICE, DTYPE)
+               for total, heads in ((40, 4), (52, 2), (52, 2)))
+    dout = torch.randn(q.shape, generator=generator).to(DEVICE, DTYPE)
+    dlse = torch.randn(4, 40, generator=generator).to(DEVICE)
+    options = {"causal": True, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    out, lse, *attention_grads = _attention_gradients(q, k, v, dout, dlse, options, False)
+    exact = _attention_gradients(q, k, v, dout, dlse, options, True)[2:]
+    _check(attention_backward(dout, q, k, v, out, lse, dlse, **options)[:3], exact,
+           attention_grads)
+
+
 def test_runs_no_forward(monkeypatch):
     """Through the kernels: the backward's launcher alone, no forward launcher."""
     from omniattn import autograd
