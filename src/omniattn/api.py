@@ -7,19 +7,19 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd import (attention_with_graph, forward_parts, kernel_inputs, records_graph,
-                       triton_attention)
+from .autograd import (attention_with_graph, backward_from_output, forward_parts,
+                       kernel_inputs, records_graph, triton_attention)
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, length_order
 from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call,
                    reference_plan, topk_refusal, uses_kernels)
-from .reference import attention_reference
+from .reference import attention_reference, reference_backward
 from .runtime import call_plans
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
-                         check_options, check_packed, check_qkv, check_row_lens, check_topk,
-                         known_checked)
+                         check_gradient_inputs, check_options, check_packed, check_qkv,
+                         check_row_lens, check_topk, known_checked)
 
 DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 
@@ -246,6 +246,23 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
                                        dropout_p=float(dropout_p), return_lse=True, topk=topk,
                                        topk_scores=topk_scores)
         return (out, lse) if return_lse else out
+    # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes the
+    # dropout pattern reproducible, and drawing it needs no device sync
+    seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
+    # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
+    kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
+    call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, attn_mask, attn_bias,
+                        (kernel_p, seed), deterministic)
+    if graph_parts:
+        return forward_parts(call)
+    out, lse = triton_attention(call)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | None, row_lens,
+                 packed, attn_mask, attn_bias, dropout: tuple[float, int], deterministic):
+    """The kernels' call (kernel_inputs) of a prepared call: its rows in length order where the
+    form asks, its lists built at the plan's tiles."""
     args, row_order = form.args, None
     if form.row_order:
         # q, out and lse stay in the caller's order: the kernels read and write each row where
@@ -254,15 +271,49 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
     schedule = None
     if lists is not None and q.numel() and k.numel():
         schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed)
-    # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes the
-    # dropout pattern reproducible, and drawing it needs no device sync
-    seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
-    # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
-    kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
-    call = kernel_inputs(q, k, v, args, (plan.forward.kernel, plan.backward.kernel), schedule,
-                         attn_mask, attn_bias, row_lens, packed, (kernel_p, seed), deterministic,
+    return kernel_inputs(q, k, v, args, (plan.forward.kernel, plan.backward.kernel), schedule,
+                         attn_mask, attn_bias, row_lens, packed, dropout, deterministic,
                          row_order)
-    if graph_parts:
-        return forward_parts(call)
-    out, lse = triton_attention(call)
-    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None = None,
+                       **options):
+    """The backward of `attention(q, k, v, **options)` alone, from a given out and lse: no
+    forward runs. The plan, masks and schedule are the call's, as `attention` builds them.
+
+    Args:
+        dout: the gradient reaching out, like q; out: like q; lse: float32 (B, H, Sq) (packed:
+            (H, total_q)); dlse: the gradient reaching lse, like lse, or None.
+        options: `attention`'s keywords (dropout_p must be 0: its draws belong to a forward).
+
+    Returns:
+        (dq, dk, dv, dbias): like q, k, v and attn_bias; dbias None unless attn_bias requires
+        grad. The gradients of the softmax p = exp(s - lse): with attention's own out and lse,
+        those of its graph; with a larger softmax's out and lse (this call's keys part of its
+        keys, as the pieces of omniattn.distributed's ring), this part's share of its
+        gradients.
+    """
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"attention_backward() got unexpected keyword arguments "
+                        f"{sorted(unknown)}; it takes attention's: {', '.join(_OPTIONS)}")
+    values = {**_OPTIONS, **options}
+    plan, form, lists, row_lens, packed = _prepare(q, k, v, *values.values(), graph_parts=True)
+    check_gradient_inputs(dout, out, lse, dlse, q, values["dropout_p"])
+    attn_bias = values["attn_bias"]
+    bias_grad = attn_bias is not None and attn_bias.requires_grad
+    # the kernels take a one-column bias's gradient from dlse alone (exact for their own lse
+    # only): the reference sums it over the keys
+    if form is None or (bias_grad and attn_bias.shape[-1] == 1):
+        reference_options = {name: values[name] for name in _REFERENCE_OPTIONS}
+        return reference_backward(dout, q, k, v, out, lse, dlse, bias_grad=bias_grad,
+                                  seqlens_k_per_row=row_lens, **reference_options)
+    call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, values["attn_mask"],
+                        attn_bias, (0.0, 0), values["deterministic"])
+    return backward_from_output(call, dout, out, lse, dlse, bias_grad)
+
+
+# attention's keywords the reference takes as they are (seqlens_k_per_row: once validated)
+_REFERENCE_OPTIONS = ("causal", "window", "softmax_scale", "softcap", "attn_mask", "attn_bias",
+                      "block_mask", "cu_seqlens_q", "cu_seqlens_k", "topk", "topk_scores")

@@ -13,7 +13,8 @@ are as without it.
 Queries are processed in chunks so memory stays O(chunk * Sk). When gradients are needed each
 chunk runs under activation checkpointing and builds its masks inside from O(chunk)-sized
 inputs, so what the forward keeps for the backward is O(B * H * Sq * D) besides the inputs, and
-the backward recomputes each chunk in O(chunk * Sk).
+the backward recomputes each chunk in O(chunk * Sk). `reference_backward` gives the gradients
+from an output and lse given (those of a larger softmax this call is part of) the same way.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from .predicate import (RelativePredicate, RowThresholds, order_keys, row_length_keep,
                         select_thresholds, selection_heads, topk_keep)
 
-__all__ = ["attention_reference", "topk_thresholds"]
+__all__ = ["attention_reference", "reference_backward", "topk_thresholds"]
 
 
 def _as_5d(t: torch.Tensor, num_heads_k: int, group: int) -> torch.Tensor:
@@ -298,6 +299,42 @@ def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, attn_mask, attn_bi
     if not return_lse:
         return out
     return out, torch.cat(lses, dim=-1)
+
+
+def reference_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None = None, *,
+                       attn_bias: torch.Tensor | None = None, bias_grad: bool = False,
+                       **options):
+    """(dq, dk, dv, dbias or None) of attention_reference(q, k, v, attn_bias=attn_bias,
+    **options) taken from the given out (like q) and lse ((B, H, Sq) float32; packed
+    (H, total_q)) with dout reaching out and dlse (None: nothing) reaching lse: the gradients of
+    p = exp(s - lse) as if out and lse were this call's. Given a larger softmax's out and lse
+    (this call's keys a part of its keys), they are this part's share of its gradients.
+
+    Autograd through the reference, as its own backward is (chunks recomputed): this call's own
+    output o and lse l, rescaled to the given normaliser, are o exp(l - lse) and exp(l - lse),
+    whose gradients under dout and dlse - rowsum(dout * out) are the ones asked for. Computed in
+    float32 (float64 inputs in float64), returned in the inputs' dtypes; dbias only with
+    bias_grad."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
+    bias = attn_bias
+    if bias_grad:
+        bias = attn_bias.detach().to(compute).requires_grad_()
+        leaves.append(bias)
+    # rowsum(dout * out) in lse's layout: what each row's normaliser passes back
+    delta = (dout.to(compute) * out.to(compute)).sum(-1).movedim(-1, -2)
+    weight = -delta if dlse is None else dlse.to(compute) - delta
+    with torch.enable_grad():
+        own_out, own_lse = attention_reference(*leaves[:3], attn_bias=bias, return_lse=True,
+                                               **options)
+        # rows that see no key (lse -inf) take no share
+        share = torch.exp(own_lse - lse.masked_fill(lse == float("-inf"), 0.0))
+        rows_share = share.movedim(-1, -2).unsqueeze(-1)  # like out, one per row and head
+        loss = (own_out * rows_share * dout.to(compute)).sum() + (share * weight).sum()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    return dq, dk, dv, grads[3].to(attn_bias.dtype) if bias_grad else None
 
 
 def topk_thresholds(

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .kernels.sequences import PackedSequences, batch_shape
+from .kernels.sequences import PackedSequences, batch_shape, lse_shape
 from .masks.block_mask import BlockMask
 from .predicate import check_window
 
@@ -249,3 +249,22 @@ def check_row_lens(row_lens, q, k, packed: PackedSequences | None,
         if packed is None:
             _remember_checked(given, k.shape[1])
     return row_lens
+
+
+def check_gradient_inputs(dout, out, lse, dlse, q, dropout_p) -> None:
+    """`attention_backward`'s own arguments: dout and out like q, lse and dlse float32 like the
+    lse attention returns; no dropout (its draws belong to a forward)."""
+    for name, t, shape, dtype in (("dout", dout, tuple(q.shape), q.dtype),
+                                  ("out", out, tuple(q.shape), q.dtype),
+                                  ("lse", lse, lse_shape(q), torch.float32),
+                                  ("dlse", dlse, lse_shape(q), torch.float32)):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must have shape {shape}, dtype {dtype} and q's device "
+                             f"{q.device}, got {describe(t)}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 in attention_backward, got {dropout_p!r}: the "
+                         f"dropped elements are drawn by the forward that ran")
