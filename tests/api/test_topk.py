@@ -30,10 +30,11 @@ def tied_scores(shape, seed, specials=False):
 
 
 def kept_by_pairs(scores, pairs, visible):
-    """Bool (B, H, Sq, Sk): what threshold pairs (B, Hs, Sq|1) keep of `visible`."""
+    """Bool (B, H, Sq, Sk): what threshold pairs (B, Hs, Sq|1) keep of `visible` (on the CPU)."""
+    scores, visible = scores.cpu(), visible.cpu()
     batch, heads, seqlen_q, _ = visible.shape
-    threshold, last_tie = (t.repeat_interleave(heads // t.shape[1], 1).expand(batch, heads,
-                                                                              seqlen_q)
+    threshold, last_tie = (t.cpu().repeat_interleave(heads // t.shape[1], 1)
+                           .expand(batch, heads, seqlen_q)
                            for t in (pairs.threshold, pairs.last_tie))
     keys = order_keys(spread_heads(scores, heads)).expand(visible.shape)
     return visible & topk_keep(keys, threshold, last_tie)
@@ -159,21 +160,24 @@ def test_attention_topk_is_attention_with_the_selected_keys(case):
     the brute-force keep mask (2x plain PyTorch's error + atol)."""
     dtype, causal, window, score_shape, bias_shape, mask, topk, heads, heads_k = case
     torch.manual_seed(topk)
-    q = torch.randn(B, SQ, heads, 16, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(B, SK, heads_k, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    q = torch.randn(B, SQ, heads, 16, dtype=dtype, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(B, SK, heads_k, 16, dtype=dtype, device=DEVICE, requires_grad=True)
+            for _ in range(2))
     bias = None if bias_shape is None else \
-        tied_scores(bias_shape, 5).to(dtype).requires_grad_()
-    scores = tied_scores(score_shape, 6) if score_shape is not None else None
+        tied_scores(bias_shape, 5).to(DEVICE, dtype).requires_grad_()
+    scores = tied_scores(score_shape, 6).to(DEVICE) if score_shape is not None else None
     options, visible = other_masks(mask, topk)
+    options = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+               for name, value in options.items()}
     options.update(causal=causal, window=window)
-    visible = visible & visible_keys(B, heads, SQ, SK, causal, window)
+    visible = visible.cpu() & visible_keys(B, heads, SQ, SK, causal, window).cpu()
     dout = torch.randn_like(q)
     out, lse = omniattn.attention(q, k, v, attn_bias=bias, topk=topk, topk_scores=scores,
                                   return_lse=True, **options)
     leaves = (q, k, v) if bias is None else (q, k, v, bias)
     grads = torch.autograd.grad(out, leaves, dout)
     selected_by = (scores if scores is not None else bias.detach()).float()
-    keep = brute_force_topk(spread_heads(selected_by, heads), visible, topk)
+    keep = brute_force_topk(spread_heads(selected_by, heads).cpu(), visible, topk).to(DEVICE)
     check_against_reference(out, lse, grads, q, k, v, dout, attn_bias=bias, attn_mask=keep,
                             causal=causal, window=window)
 

@@ -159,7 +159,7 @@ def test_slots_past_the_count_are_ignored(monkeypatch):
     """As in the original, only the first kv_num_blocks slots of a row are read: what lies past
     them (here out-of-range indices and types) is neither validated nor used."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    lists = _causal_lists()
+    lists = [t.cpu() for t in _causal_lists()]
     q, k, v = random_qkv(1, 32, 32, 2, 2, 16, torch.float32, device="cpu", requires_grad=False)
     expected, _ = omni_attention_forward(q, k, v, *lists, BLOCK_M=16, BLOCK_N=16)
     lists[1][:, :, 0, 1] = 99  # query block 0 lists one block: slot 1 is unused

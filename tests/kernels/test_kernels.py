@@ -410,7 +410,8 @@ def test_causal_only_backward_tiles(monkeypatch, options, causal_only):
     if options.pop("seqlens_k_per_row", False):
         options["seqlens_k_per_row"] = torch.full((1, 19), 20, device=DEVICE, dtype=torch.int32)
     omniattn.attention(q, k, v, **options).sum().backward()
-    assert asked == [causal_only]
+    # the plan asks for the tiles it reports, the launcher for those it runs
+    assert asked and set(asked) == {causal_only}
 
 
 def test_custom_scale():

@@ -112,7 +112,7 @@ def test_topk_mask_ties_and_attention_keep_the_same_keys(scores_shape, mask_shap
     keep = topk_mask(scores, 4, mask, causal=causal, seqlen_q=9, chunk_size=4)
     four_d = [t if t is None or t.dim() == 4 else t[None] for t in (scores, mask)]
     batch, heads, rows = (1,) * (4 - keep.dim()) + keep.shape[:-1]
-    visible = visible_keys(batch, heads, rows, 23, causal, attn_mask=four_d[1])
+    visible = visible_keys(batch, heads, rows, 23, causal, attn_mask=four_d[1]).cpu()
     expected = brute_force_topk(four_d[0].expand(visible.shape), visible, 4)
     assert torch.equal(keep.reshape(expected.shape), expected)
     q, k = torch.empty(batch, rows, heads, 8), torch.empty(batch, 23, heads, 8)

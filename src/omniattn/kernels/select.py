@@ -256,14 +256,15 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         states = block_mask.states.to(device)
         bits = block_mask.kernel_bits
         block_operands = (states, *broadcast_strides(states), _head_div(heads, states))
-        bits_operands = bits.operands() if bits is not None \
+        slots, slot_strides, bitmaps = bits.operands() if bits is not None \
             else BlockBits.placeholder_operands(device)
-        block_operands += (*bits_operands, *block_mask.block_size, block_mask.predicate.left,
-                           block_mask.predicate.right)
+        block_operands += (slots, *slot_strides, bitmaps, *block_mask.block_size,
+                           block_mask.predicate.left, block_mask.predicate.right)
     else:
         bits = None
-        block_operands = (placeholder(device, torch.int8), 0, 0, 0, 0, 1,
-                          *BlockBits.placeholder_operands(device), 16, 16, -1, -1)
+        slots, slot_strides, bitmaps = BlockBits.placeholder_operands(device)
+        block_operands = (placeholder(device, torch.int8), 0, 0, 0, 0, 1, slots, *slot_strides,
+                          bitmaps, 16, 16, -1, -1)
     row_operands = (placeholder(device), 0) if row_lens is None else \
         (row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0)
     out_strides = (0 if packed is not None else threshold.stride(0), threshold.stride(1))
