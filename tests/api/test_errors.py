@@ -34,6 +34,7 @@ def _no_compute(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a backend was called: validation should have rejected the input")
     monkeypatch.setattr(api_mod, "triton_attention", boom)
+    monkeypatch.setattr(api_mod, "decode_attention", boom)
     monkeypatch.setattr(api_mod, "attention_reference", boom)
 
 
