@@ -47,11 +47,12 @@ def attention(
     dropout_p: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    check_inputs: bool = True,
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
-    check_inputs: bool = True,
 ):
-    """Exact attention with every mask on one kernel core, forward and backward.
+    """Exact attention with every mask on one kernel core, forward and backward. A forward with
+    a few query rows per sequence (decoding) and no gradient runs split-KV decoding.
 
     Args:
         q: (B, Sq, H, D); k, v: (B, Sk, Hk, D) with H % Hk == 0 (GQA/MQA). fp16, bf16 or fp32,
@@ -89,6 +90,10 @@ def attention(
             GPU ones today); `omniattn.explain` says which backward a call takes.
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
+        check_inputs: validate the values of cu_seqlens_*, seqlens_k_per_row, seqused_k and
+            the block table's used entries (this syncs with the host). Pass False under CUDA-graph capture; out-of-range values then cannot
+            fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
+            call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
         block_table: int32 (B, max_pages_per_seq): k and v are pages (num_pages, page_size,
             Hk, D), page_size a multiple of 16, and sequence b's keys are pages
             block_table[b, 0], block_table[b, 1], ... in that order: it holds
@@ -99,10 +104,6 @@ def attention(
             With few query rows and no gradient these run split-KV decoding, which reads the
             pages in place; otherwise each sequence's used keys are gathered into contiguous
             K/V (seqused_k read on the host) and run apart (`explain` says which).
-        check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
-            the host). Pass False under CUDA-graph capture; out-of-range values then cannot
-            fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
-            call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
 
     Returns:
         out like q, in q's dtype (0 on rows that see no key), or (out, lse).
@@ -134,7 +135,7 @@ def attention(
         return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
                           block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          block_table, seqused_k, checks, graph_parts)
+                          checks, block_table, seqused_k, graph_parts)
 
     if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0 \
@@ -175,7 +176,7 @@ class _Prepared(NamedTuple):
 
 def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
              seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, deterministic, return_lse, block_table, seqused_k, check_inputs,
+             dropout_p, deterministic, return_lse, check_inputs, block_table, seqused_k,
              graph_parts) -> _Prepared:
     """Validate a call (errors before anything is computed) and plan it."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -243,14 +244,14 @@ def explain(q, k, v, **options) -> CallPlan:
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               dropout_p, deterministic, return_lse, block_table, seqused_k, check_inputs,
+               dropout_p, deterministic, return_lse, check_inputs, block_table, seqused_k,
                graph_parts=False):
     """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
     call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
     plan, form, lists, row_lens, packed, paged = _prepare(
         q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
         seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        deterministic, return_lse, block_table, seqused_k, check_inputs, graph_parts)
+        deterministic, return_lse, check_inputs, block_table, seqused_k, graph_parts)
     if paged is not None and plan.forward.kernel in (REFERENCE, PER_SEQUENCE):
         # the reference, or an ordinary call, per sequence
         options = dict(causal=causal, window=window, softmax_scale=softmax_scale,
