@@ -352,8 +352,9 @@ def decode_refusal(form: CallForm, backward_needed: bool) -> str | None:
 def _decode_pass(form: CallForm) -> PassPlan:
     batch, seqlen_q, num_heads, head_dim = form.q.shape
     group = num_heads // form.k.shape[2]
-    cfg = decode_config(head_dim, form.q.dtype, seqlen_q * group)
     paged = form.paged
+    cfg = decode_config(head_dim, form.q.dtype, seqlen_q * group,
+                        paged is not None and paged.page_size > 0)
     source = f"pages of {paged.page_size} keys through the block table" \
         if paged is not None and paged.page_size else "a contiguous cache"
     used = ", the first seqused_k of each sequence" if paged is not None \

@@ -187,9 +187,13 @@ _DECODE = {
     128: DecodeConfig(16, 64, 4, 3),
     256: DecodeConfig(16, 32, 4, 3),
 }
+# pages: the block table's entries of a tile are loaded a pipeline stage ahead of its K / V
+# tiles, which then get fewer buffers (triton 3.6's TTGIR at D128: 3 stages give K and V one
+# buffer each, 5 give two, as 3 do without pages); timings not yet measured
+DECODE_PAGED_EXTRA_STAGES = 2
 # packed rows per program at most: more rows are more programs along the grid's row axis;
-# not yet measured
-DECODE_MAX_BLOCK_M = 64
+# not yet measured. Head dim 256 at 64 rows spilled (ptxas, sm_90a: 255 registers, 32 bytes)
+DECODE_MAX_BLOCK_M = {32: 64, 64: 64, 128: 64, 256: 32}
 # resident programs per SM the split count aims to fill, in whole waves; not yet measured
 DECODE_PROGRAMS_PER_SM = 2
 # keys per split at least: each split costs a partial write and a share of the combine;
@@ -206,15 +210,19 @@ _INTERPRETER_DECODE = DecodeConfig(16, 16, 1, 1)
 INTERPRETER_DECODE_SPLITS = 3
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, rows: int) -> DecodeConfig:
-    """Tiles of split-KV decoding for `rows` packed rows per (batch, KV head)."""
+def decode_config(head_dim: int, dtype: torch.dtype, rows: int,
+                  paged: bool = False) -> DecodeConfig:
+    """Tiles of split-KV decoding for `rows` packed rows per (batch, KV head); paged: K / V
+    read through a block table."""
     if interpreting():
         return _INTERPRETER_DECODE
-    cfg = _DECODE[max(32, padded_head_dim(head_dim))]
-    block_m = min(max(16, next_power_of_2(rows)), DECODE_MAX_BLOCK_M)
+    key = max(32, padded_head_dim(head_dim))
+    cfg = _DECODE[key]
+    block_m = min(max(16, next_power_of_2(rows)), DECODE_MAX_BLOCK_M[key])
+    stages = cfg.num_stages + (DECODE_PAGED_EXTRA_STAGES if paged else 0)
     if dtype == torch.float32:  # IEEE dots: half the keys per tile keeps registers in budget
-        return DecodeConfig(block_m, max(16, cfg.block_n // 2), cfg.num_warps, 2)
-    return DecodeConfig(block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        return DecodeConfig(block_m, max(16, cfg.block_n // 2), cfg.num_warps, stages - 1)
+    return DecodeConfig(block_m, cfg.block_n, cfg.num_warps, stages)
 
 
 def decode_splits(programs: int, key_tiles: int, block_n: int, sm_count: int | None) -> int:

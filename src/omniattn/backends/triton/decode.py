@@ -51,7 +51,7 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Ke
     if out.numel() == 0:
         return out, lse
     rows = seqlen_q * group
-    cfg = decode_config(head_dim, q.dtype, rows)
+    cfg = decode_config(head_dim, q.dtype, rows, paged is not None and paged.page_size > 0)
     row_tiles = cdiv(rows, cfg.block_m)
     if num_splits <= 0:
         key_tiles = cdiv(visible_key_span(args, seqlen_q, seqlen_k), cfg.block_n)
