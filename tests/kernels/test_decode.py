@@ -199,3 +199,19 @@ def test_decode_pages_gpu(page_size):
                        generator=generator).to(DEVICE, torch.bfloat16)
     check_decode(q, k_pages, v_pages, block_table=table, seqused_k=used, attn_bias=bias,
                  causal=True)
+
+
+@pytest.mark.interpreter
+def test_decode_under_torch_compile_fullgraph():
+    """A paged decode step traces whole (the decode op, unchecked inputs) and gives eager's."""
+    q, k, v = qkv(2, 1, 64, 4, 2, 32, torch.float16 if not GPU else torch.bfloat16, seed=9)
+    k_pages, v_pages, table = paged_cache(k, v, 16, seed=9)
+    used = torch.tensor([64, 20], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k_pages, v_pages, table, used):
+        return omniattn.attention(q, k_pages, v_pages, block_table=table, seqused_k=used,
+                                  causal=True, check_inputs=False)
+
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(q, k_pages, v_pages, table, used),
+                       step(q, k_pages, v_pages, table, used))
