@@ -244,8 +244,8 @@ def explain(q, k, v, **options) -> CallPlan:
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               dropout_p, deterministic, return_lse, check_inputs, block_table, seqused_k,
-               graph_parts=False):
+               dropout_p, deterministic, return_lse, check_inputs, block_table=None,
+               seqused_k=None, graph_parts=False):
     """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
     call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
     plan, form, lists, row_lens, packed, paged = _prepare(
