@@ -17,9 +17,11 @@ Returns out (B, Sq, H, D), or (out, softmax_lse (B, H, Sq) float32) with return_
 
 Differences from the original: alibi_slopes is not supported (NotImplementedError); num_splits
 is a scheduling hint, accepted and ignored (the plan picks the split); a contiguous cache with
-cache_batch_idx whose Sk_cache is not a multiple of 16 is gathered (a copy) before attention.
-Like the original, nothing reads cache_seqlens or block_table on the host: slots past the cache
-are the caller's to avoid. Forward only (no gradient reaches the cache).
+cache_batch_idx whose Sk_cache is not a multiple of 16 is gathered (a copy) before attention;
+a row that sees no key gets output 0 and lse -inf (the original's unsplit kernel writes +inf).
+Like the original, no value is checked on the host: slots past the cache are the caller's to
+avoid; decoding-sized calls read nothing on the host, larger ones (attention's per-sequence
+path) read the used key counts. Forward only (no gradient reaches the cache).
 """
 from __future__ import annotations
 
