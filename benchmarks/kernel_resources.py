@@ -36,13 +36,13 @@ from omniattn.backends.gluon_sm90 import backward as bwd_hopper
 from omniattn.backends.gluon_sm90 import backward_wide as bwd_hopper_wide
 from omniattn.backends.gluon_sm90 import configs as gluon_configs
 from omniattn.backends.gluon_sm90 import forward as fwd_hopper
-from omniattn.backends.triton import backward as bwd
 from omniattn.backends.triton import configs
 from omniattn.backends.triton import decode
 from omniattn.backends.triton import forward as fwd
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs, TileLists
 from omniattn.kernels.sequences import PackedSequences, PagedKeys
+from omniattn.passes import attention_backward, attention_forward, decode_forward
 from omniattn.predicate import FULL, PARTIAL
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -213,7 +213,7 @@ def _decode_call(q: torch.Tensor, k: torch.Tensor, args: KernelArgs, query_rows:
         paged = PagedKeys(table, torch.full((batch,), seqlen, dtype=torch.int32), page_size,
                           seqlen)
         k = k.reshape(-1, page_size, heads_k, head_dim)
-    decode.attention_decode(q[:, :query_rows], k, k, args, mask=masks, bias=bias, paged=paged)
+    decode_forward(q[:, :query_rows], k, k, args, mask=masks, bias=bias, paged=paged)
 
 
 def main() -> None:
@@ -262,11 +262,11 @@ def main() -> None:
                             "decode_combine_kernel"}, reports):
         if opts.kernel == "fwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)
-            fwd.attention_forward(q, k, v, args, mask=mask, bias=bias)
+            attention_forward(q, k, v, args, mask=mask, bias=bias)
         elif opts.kernel == "bwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)
-            bwd.attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
-                                   bias_grad=bias is not None)
+            attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
+                               bias_grad=bias is not None)
         elif opts.kernel == "decode":
             _decode_call(q, k, args, opts.query_rows, opts.page_size, opts.mask, opts.bias)
         else:

@@ -14,7 +14,7 @@ import triton
 
 from omniattn.backends.triton import configs
 from omniattn.backends.triton.configs import DecodeConfig
-from omniattn.backends.triton.decode import attention_decode
+from omniattn.passes import decode_forward
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.kernels.sequences import PagedKeys
 
@@ -50,8 +50,8 @@ def main():
                 configs._DECODE[HEAD_DIM] = DecodeConfig(16, block_n, warps, stages)
                 for count in splits:
                     def run():
-                        return attention_decode(q, *keys, args, paged=pages if paged else None,
-                                                num_splits=count)
+                        return decode_forward(q, *keys, args, paged=pages if paged else None,
+                                              num_splits=count)
                     try:
                         run()
                         ms = triton.testing.do_bench(run, warmup=25, rep=100,

@@ -11,10 +11,9 @@ import torch
 import triton
 
 from omniattn.backends.triton import configs
-from omniattn.backends.triton.backward import attention_backward
 from omniattn.backends.triton.configs import BwdTileConfig, TileConfig
-from omniattn.backends.triton.forward import attention_forward
 from omniattn.kernels.schedule import KernelArgs
+from omniattn.passes import attention_backward, attention_forward
 
 FWD_CANDIDATES = {
     64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)],

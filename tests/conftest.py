@@ -20,14 +20,15 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def gluon_calls(monkeypatch) -> list:
     """Records the launches of the Gluon forward ("fwd") and backward ("bwd", either kernel)."""
-    from omniattn.backends.triton import backward as bwd
-    from omniattn.backends.triton import forward as fwd
+    from omniattn import passes
 
     calls = []
-    forward, backward, wide = fwd.hopper_forward, bwd.hopper_backward, bwd.hopper_backward_wide
-    monkeypatch.setattr(fwd, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
-    monkeypatch.setattr(bwd, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
-    monkeypatch.setattr(bwd, "hopper_backward_wide", lambda *a: calls.append("bwd") or wide(*a))
+    forward, backward = passes.hopper_forward, passes.hopper_backward
+    wide = passes.hopper_backward_wide
+    monkeypatch.setattr(passes, "hopper_forward", lambda *a: calls.append("fwd") or forward(*a))
+    monkeypatch.setattr(passes, "hopper_backward", lambda *a: calls.append("bwd") or backward(*a))
+    monkeypatch.setattr(passes, "hopper_backward_wide",
+                        lambda *a: calls.append("bwd") or wide(*a))
     return calls
 
 

@@ -1,5 +1,5 @@
 """Shared test machinery: random inputs, the float64 oracle and the error criterion, and the
-element-level truth of windows and block masks.
+element-level truth of windows, block masks and top-k selections.
 
 A result passes when its max error against the float64 reference is at most 2x the error of plain
 PyTorch in the same dtype (the reference with upcast=False), plus a small atol.
@@ -7,6 +7,8 @@ PyTorch in the same dtype (the reference with upcast=False), plus a small atol.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import torch
 
@@ -148,3 +150,34 @@ def random_block_mask(batch, heads, seqlen_q, seqlen_k, block_size, density, see
     blocks[..., 0, :] = False  # the first query block sees nothing
     return omniattn.block_mask_from_blocks(blocks.to(DEVICE), (block_q, block_k),
                                            seq_lengths=(seqlen_q, seqlen_k))
+
+
+def brute_force_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """Bool like `visible` (..., Sq, Sk): per row, the `topk` visible keys of largest score in
+    float64, NaN above every number, ties to the lower key index (every visible key of a row
+    with at most topk). A Python sort per row: tiny shapes only."""
+    scores = scores.double().expand(visible.shape).cpu()
+    visible = visible.cpu()
+    keep = torch.zeros_like(visible)
+    for index in itertools.product(*map(range, visible.shape[:-1])):
+        row = scores[index].tolist()
+        candidates = visible[index].nonzero().flatten().tolist()
+        candidates.sort(key=lambda n: (not math.isnan(row[n]),
+                                       0.0 if math.isnan(row[n]) else -row[n], n))
+        keep[index][candidates[:topk]] = True
+    return keep
+
+
+def visible_keys(batch, heads, seqlen_q, seqlen_k, causal=False, window=None, attn_mask=None,
+                 row_lens=None, block_mask=None) -> torch.Tensor:
+    """Bool (B, H, Sq, Sk): every key each row sees under the other masks, expanded (test-only,
+    tiny shapes); attn_mask (B|1, H|1, Sq|1, Sk|1) with heads in {1, H}."""
+    keep = predicate(seqlen_q, seqlen_k, causal, window).expand(batch, heads, seqlen_q, seqlen_k)
+    if attn_mask is not None:
+        keep = keep & (attn_mask != 0).to(keep.device)
+    if row_lens is not None:
+        keys = torch.arange(seqlen_k, device=keep.device)
+        keep = keep & (keys < row_lens.reshape(batch, 1, seqlen_q, 1).to(keep.device))
+    if block_mask is not None:
+        keep = keep & element_visibility(block_mask).to(keep.device)
+    return keep

@@ -8,21 +8,21 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd import (attention_with_graph, decode_attention, decode_inputs, forward_parts,
-                       kernel_inputs, records_graph, triton_attention)
+from .autograd import (attention_with_graph, backward_from_output, decode_attention,
+                       decode_inputs, forward_parts, kernel_inputs, records_graph,
+                       triton_attention)
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
-from .kernels.sequences import PackedSequences, length_order
-from .backends.triton.decode import DECODE_FORWARD
-from .kernels.sequences import PagedKeys
-from .plan import (PER_SEQUENCE, REFERENCE, CallForm, CallPlan, ListTiles, groups_rows_by_length,
-                   plan_call, reference_plan, uses_kernels)
-from .reference import attention_reference, per_sequence
+from .kernels.sequences import PackedSequences, PagedKeys, length_order
+from .passes import DECODE_FORWARD
+from .plan import (PER_SEQUENCE, REFERENCE, CallForm, CallPlan, ListTiles,
+                   groups_rows_by_length, plan_call, reference_plan, topk_refusal, uses_kernels)
+from .reference import attention_reference, per_sequence, reference_backward
 from .runtime import call_plans
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
-                         check_options, check_packed, check_paged, check_qkv, check_row_lens,
-                         known_checked)
+                         check_gradient_inputs, check_options, check_packed, check_paged,
+                         check_qkv, check_row_lens, check_topk, known_checked)
 
 DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 
@@ -48,6 +48,8 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
     check_inputs: bool = True,
+    topk: int | None = None,
+    topk_scores: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
 ):
@@ -94,6 +96,13 @@ def attention(
             the block table's used entries (this syncs with the host). Pass False under CUDA-graph capture; out-of-range values then cannot
             fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
             call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
+        topk: each query row keeps only the `topk` keys of largest topk_scores among the keys
+            every other mask lets it see (ties to the lower key index); a row seeing at most
+            topk keys keeps them all. Every backend applies this rule; today the reference runs
+            such calls on every device (`omniattn.explain` says so).
+        topk_scores: fp16/bf16/fp32 scores laid out like attn_bias (its default), broadcast and
+            never expanded; they select only: no gradient reaches them (the bias still gets
+            its own). A NaN score ranks above +inf (it is kept and shows in the output).
         block_table: int32 (B, max_pages_per_seq): k and v are pages (num_pages, page_size,
             Hk, D), page_size a multiple of 16, and sequence b's keys are pages
             block_table[b, 0], block_table[b, 1], ... in that order: it holds
@@ -135,9 +144,9 @@ def attention(
         return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
                           block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          checks, block_table, seqused_k, graph_parts)
+                          checks, topk, topk_scores, block_table, seqused_k, graph_parts)
 
-    if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
+    if block_mask is None and topk is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0 \
             and (not paged or check_inputs is False):
         inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row,
@@ -176,8 +185,8 @@ class _Prepared(NamedTuple):
 
 def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
              seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, deterministic, return_lse, check_inputs, block_table, seqused_k,
-             graph_parts) -> _Prepared:
+             dropout_p, deterministic, return_lse, check_inputs, topk, topk_scores, block_table,
+             seqused_k, graph_parts) -> _Prepared:
     """Validate a call (errors before anything is computed) and plan it."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
     check_qkv(q, k, v, packed_layout, paged=block_table is not None)
@@ -205,12 +214,16 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
         check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, keys, packed)
     if attn_bias is not None:
         check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, keys, packed)
+    check_topk(topk, topk_scores, attn_bias, q, keys, packed)
     row_lens = None
     if seqlens_k_per_row is not None:
         row_lens = check_row_lens(seqlens_k_per_row, q, keys, packed, check_inputs)
     backward_needed = graph_parts or records_graph(q, k, v, attn_bias)
     if not uses_kernels(q):
         return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed, paged)
+    if topk is not None:
+        return _Prepared(reference_plan(q, backward_needed, topk_refusal(q)), None, None,
+                         row_lens, packed, paged)
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     # per-row key lengths alone: each batch's rows in length order, key ranges from the lengths
     row_order = row_lens is not None and not args.masked and packed is None \
@@ -244,23 +257,24 @@ def explain(q, k, v, **options) -> CallPlan:
 
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               dropout_p, deterministic, return_lse, check_inputs, block_table=None,
-               seqused_k=None, graph_parts=False):
+               dropout_p, deterministic, return_lse, check_inputs, topk=None, topk_scores=None,
+               block_table=None, seqused_k=None, graph_parts=False):
     """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
     call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
     plan, form, lists, row_lens, packed, paged = _prepare(
         q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
         seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        deterministic, return_lse, check_inputs, block_table, seqused_k, graph_parts)
+        deterministic, return_lse, check_inputs, topk, topk_scores, block_table, seqused_k,
+        graph_parts)
     if paged is not None and plan.forward.kernel in (REFERENCE, PER_SEQUENCE):
         # the reference, or an ordinary call, per sequence
         options = dict(causal=causal, window=window, softmax_scale=softmax_scale,
-                       softcap=float(softcap), dropout_p=float(dropout_p))
+                       softcap=float(softcap), dropout_p=float(dropout_p), topk=topk)
         attend = functools.partial(attention_reference, **options) if form is None else \
             functools.partial(attention, deterministic=deterministic, check_inputs=False,
                               **options)
         out, lse = per_sequence(attend, q, k, v, paged.block_table, paged.seqused_k,
-                                attn_mask, attn_bias, row_lens)
+                                attn_mask, attn_bias, row_lens, topk_scores)
         return (out, lse) if return_lse else out
     if plan.forward.kernel == DECODE_FORWARD:
         out, lse = decode_attention(decode_inputs(q, k, v, form.args, attn_mask, attn_bias,
@@ -272,8 +286,26 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
                                        attn_mask=attn_mask, attn_bias=attn_bias,
                                        block_mask=block_mask, seqlens_k_per_row=row_lens,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       dropout_p=float(dropout_p), return_lse=True)
+                                       dropout_p=float(dropout_p), return_lse=True, topk=topk,
+                                       topk_scores=topk_scores)
         return (out, lse) if return_lse else out
+    # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes the
+    # dropout pattern reproducible, and drawing it needs no device sync
+    seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
+    # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
+    kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
+    call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, attn_mask, attn_bias,
+                        (kernel_p, seed), deterministic)
+    if graph_parts:
+        return forward_parts(call)
+    out, lse = triton_attention(call)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | None, row_lens,
+                 packed, attn_mask, attn_bias, dropout: tuple[float, int], deterministic):
+    """The kernels' call (kernel_inputs) of a prepared call: its rows in length order where the
+    form asks, its lists built at the plan's tiles."""
     args, row_order = form.args, None
     if form.row_order:
         # q, out and lse stay in the caller's order: the kernels read and write each row where
@@ -282,16 +314,53 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
     schedule = None
     if lists is not None and q.numel() and k.numel():
         schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed)
-    # a fresh Philox seed per call from torch's (CPU) generator: torch.manual_seed makes the
-    # dropout pattern reproducible, and drawing it needs no device sync
-    seed = int(torch.randint(2, 2 ** 31 - 1, ())) if dropout_p > 0 else 0
-    # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
-    kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
-    call = kernel_inputs(q, k, v, args, (plan.forward.kernel, plan.backward.kernel), schedule,
-                         attn_mask, attn_bias, row_lens, packed, (kernel_p, seed), deterministic,
+    return kernel_inputs(q, k, v, args, (plan.forward.kernel, plan.backward.kernel), schedule,
+                         attn_mask, attn_bias, row_lens, packed, dropout, deterministic,
                          row_order)
-    if graph_parts:
-        return forward_parts(call)
-    out, lse = triton_attention(call)
-    return (out, lse) if return_lse else out
 
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None = None,
+                       **options):
+    """The backward of `attention(q, k, v, **options)` alone, from a given out and lse: no
+    forward runs. The plan, masks and schedule are the call's, as `attention` builds them.
+
+    Args:
+        dout: the gradient reaching out, like q; out: like q; lse: float32 (B, H, Sq) (packed:
+            (H, total_q)); dlse: the gradient reaching lse, like lse, or None.
+        options: `attention`'s keywords (dropout_p must be 0: its draws belong to a forward).
+
+    Returns:
+        (dq, dk, dv, dbias): like q, k, v and attn_bias; dbias None unless attn_bias requires
+        grad. The gradients of the softmax p = exp(s - lse): with attention's own out and lse,
+        those of its graph; with a larger softmax's out and lse (this call's keys part of its
+        keys, as the pieces of omniattn.distributed's ring), this part's share of its
+        gradients.
+    """
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"attention_backward() got unexpected keyword arguments "
+                        f"{sorted(unknown)}; it takes attention's: {', '.join(_OPTIONS)}")
+    values = {**_OPTIONS, **options}
+    plan, form, lists, row_lens, packed, paged = _prepare(q, k, v, *values.values(),
+                                                          graph_parts=True)
+    if paged is not None:
+        raise NotImplementedError("attention_backward with block_table / seqused_k is not "
+                                  "supported: gather each sequence's keys first")
+    check_gradient_inputs(dout, out, lse, dlse, q, values["dropout_p"])
+    attn_bias = values["attn_bias"]
+    bias_grad = attn_bias is not None and attn_bias.requires_grad
+    # the kernels take a one-column bias's gradient from dlse alone (exact for their own lse
+    # only): the reference sums it over the keys
+    if form is None or (bias_grad and attn_bias.shape[-1] == 1):
+        reference_options = {name: values[name] for name in _REFERENCE_OPTIONS}
+        return reference_backward(dout, q, k, v, out, lse, dlse, bias_grad=bias_grad,
+                                  seqlens_k_per_row=row_lens, **reference_options)
+    call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, values["attn_mask"],
+                        attn_bias, (0.0, 0), values["deterministic"])
+    return backward_from_output(call, dout, out, lse, dlse, bias_grad)
+
+
+# attention's keywords the reference takes as they are (seqlens_k_per_row: once validated)
+_REFERENCE_OPTIONS = ("causal", "window", "softmax_scale", "softcap", "attn_mask", "attn_bias",
+                      "block_mask", "cu_seqlens_q", "cu_seqlens_k", "topk", "topk_scores")

@@ -9,12 +9,10 @@ from typing import NamedTuple
 
 import torch
 
-from .backends.triton.backward import attention_backward
-from .backends.triton.decode import attention_decode
-from .backends.triton.forward import attention_forward
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, PagedKeys, lse_shape
+from .passes import attention_backward, attention_forward, decode_forward
 from .runtime import call_plans
 
 
@@ -242,6 +240,21 @@ def _planned_backward(forward_key, call: BackwardCall):
     return call_plans.run(key, tensors, lambda: _backward_impl(*call))
 
 
+def backward_from_output(call: ForwardCall, dout, out, lse, dlse, bias_grad: bool) -> tuple:
+    """(dq, dk, dv, dbias or None) of a forward call (kernel_inputs) from an out and lse given
+    rather than computed by it (its backward alone), replayed from a call plan where there is
+    one."""
+    # the launcher reads lse and dlse at the strides of the delta it lays out like a dense lse
+    lse, dlse = lse.contiguous(), dlse.contiguous() if dlse is not None else None
+    dq, dk, dv, dbias = _planned_backward(None, BackwardCall(
+        dout, call.q, call.k, call.v, out, lse, dlse, call.attn_mask, call.attn_bias,
+        call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+        call.max_seqlen_k, bias_grad, call.softmax_scale, call.softcap, call.window_left,
+        call.window_right, call.dropout_p, call.dropout_seed, call.schedule, call.tiles,
+        call.deterministic, call.backward_kernel))
+    return dq, dk, dv, dbias if bias_grad else None
+
+
 def kernel_inputs(q, k, v, args: KernelArgs, kernels: tuple[str, str],
                   schedule: Schedule | None = None, attn_mask: torch.Tensor | None = None,
                   attn_bias: torch.Tensor | None = None, row_lens: torch.Tensor | None = None,
@@ -328,7 +341,7 @@ def _decode_impl(
     if block_table is not None or seqused_k is not None:
         page_size = k.shape[1] if block_table is not None else 0
         paged = PagedKeys(block_table, seqused_k, page_size, seqlen_k)
-    return attention_decode(
+    return decode_forward(
         q, k, v, args, mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
         bias=Elementwise.of(attn_bias, heads) if attn_bias is not None else None,
         row_lens=row_lens, paged=paged)

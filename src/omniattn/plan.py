@@ -6,9 +6,10 @@ builds its lists at the plan's tiles and the launchers launch the kernels it nam
 Candidates, fastest first: split-KV decoding (`fwd_decode`) for a forward with a few query
 rows per sequence and no gradient; on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
 `bwd_hopper`, `bwd_hopper_wide` at head dims it splits), else the Triton kernels (`fwd`, `bwd`);
-CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels.
-Paged or partly used keys (`block_table`, `seqused_k`) that split-KV does not take run
-`per_sequence`: each sequence's keys gathered (or sliced) and attended as a contiguous call.
+CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels;
+top-k calls take it on every device until the kernels read row thresholds. Paged or partly used
+keys (`block_table`, `seqused_k`) that split-KV does not take run `per_sequence`: each
+sequence's keys gathered (or sliced) and attended as a contiguous call.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from .backends.gluon_sm90.blocks import gluon_refusal
 from .backends.gluon_sm90.configs import (hopper_backward_config, hopper_backward_splits_head_dim,
                                           hopper_forward_config)
 from .backends.gluon_sm90.forward import hopper_forward_refusal
-from .backends.triton.backward import GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD
+from .backends.triton.backward import backward_tiles
 from .backends.triton.configs import (DECODE_MAX_QUERY_ROWS, backward_config, decode_config,
                                       forward_config)
-from .backends.triton.decode import DECODE_FORWARD
-from .backends.triton.forward import GLUON_FORWARD, TRITON_FORWARD
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, PagedKeys, tma_compatible
+from .passes import (DECODE_FORWARD, GLUON_BACKWARD, GLUON_BACKWARD_WIDE, GLUON_FORWARD,
+                     TRITON_BACKWARD, TRITON_FORWARD)
 from .predicate import RelativePredicate
 from .runtime.switches import interpreting, tma_enabled
 
@@ -235,11 +236,8 @@ def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tu
     if lists is not None:
         return lists.dkdv if backward else lists.forward
     if backward:
-        causal_only = args.has_right and args.window_right == 0 and not args.has_left \
-            and args.softcap == 0 and form.bias is None and form.row_lens is None \
-            and form.packed is None and not form.dropout
-        cfg = backward_config(head_dim, dtype, masked=args.masked, full_bias=form.full_bias,
-                              causal_only=causal_only)
+        cfg = backward_tiles(head_dim, dtype, args, False, form.bias, form.row_lens is not None,
+                             form.packed is not None, bool(form.dropout))
         return cfg.block_m1, cfg.block_n1
     tma = tma_enabled(form.q.device) and tma_compatible(form.q, form.k, form.v)
     cfg = forward_config(head_dim, dtype, args.masked, form.bias is not None, tma)
@@ -317,15 +315,22 @@ def _reference_reason(q: torch.Tensor) -> str:
         f"runs the Triton kernels in the interpreter)"
 
 
+def topk_refusal(q: torch.Tensor) -> str:
+    """Why a top-k call on the kernels' devices runs the reference (on q's device, in torch)."""
+    return f"top-k: the kernels do not read row thresholds yet (the reference selects each " \
+        f"chunk of rows in PyTorch, on {q.device})"
+
+
 def uses_kernels(q: torch.Tensor) -> bool:
     """CUDA tensors run the Triton kernels; CPU tensors too under TRITON_INTERPRET=1."""
     return q.is_cuda or interpreting()
 
 
-def reference_plan(q: torch.Tensor, backward_needed: bool) -> CallPlan:
-    """The plan of a call `uses_kernels` sends to the exact PyTorch reference."""
+def reference_plan(q: torch.Tensor, backward_needed: bool, reason: str | None = None) -> CallPlan:
+    """The plan of a call sent to the exact PyTorch reference: by `uses_kernels` (CPU
+    tensors), or for `reason` (what the kernels do not serve yet)."""
     reference = PassPlan(REFERENCE, "queries in chunks, O(chunk x Sk) memory",
-                         refused=(Refusal("triton", _reference_reason(q)),))
+                         refused=(Refusal("triton", reason or _reference_reason(q)),))
     return CallPlan(reference, reference, backward_needed)
 
 

@@ -3,8 +3,10 @@
 The element predicate is the AND of whichever terms a call gives: the relative terms (causal,
 bottom-right aligned, and sliding windows), per-row key lengths, an element mask and a block
 mask's own predicate; documents (varlen) are the relative terms on each sequence's own
-diagonal. A tile is FULL when every term holds on all of it (no predicate work), HIDDEN when
-none of its elements is visible (never loaded), else PARTIAL. The reference, the masks, the
+diagonal. Top-k then keeps, per row, the `topk` visible keys of largest score (ties to the lower
+key index), a selection held as one threshold pair per row (`RowThresholds`). A tile is FULL
+when every term holds on all of it (no predicate work), HIDDEN when none of its elements is
+visible (never loaded), else PARTIAL. The reference, the masks, the
 façades and the schedule builders use these definitions; each kernel dialect mirrors them in one
 device helper. This module imports nothing from the rest of the package.
 """
@@ -158,3 +160,79 @@ def coarsen_states(states: torch.Tensor, factor_m: int, factor_n: int) -> torch.
     highest = torch.nn.functional.max_pool2d(padded, window)
     coarse = torch.where(highest == HIDDEN, HIDDEN, torch.where(lowest == FULL, FULL, PARTIAL))
     return coarse.to(torch.int8).reshape(*lead, *coarse.shape[-2:])
+
+
+# Top-k selection: each row keeps the `topk` visible keys of largest score, ties to the lower key
+# index. Scores are compared through order keys, int32 whose signed order is the scores' order
+# as float32: -0 equals +0, and NaN ranks above +inf (as in torch.sort), so a NaN score is kept
+# and shows in the output instead of vanishing from it. The kernels' radix digits are the
+# unsigned form, key ^ 0x80000000.
+KEEP_ALL = -2 ** 31  # threshold of a row that keeps every visible key: below every order key
+EVERY_TIE = 2 ** 31 - 1  # tie bound of a row that drops no key scoring its threshold
+NAN_KEY = 2 ** 31 - 1
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int32 order keys of float scores (fp16 / bf16 exactly, float64 rounded to float32)."""
+    x = scores.float()
+    bits = torch.where(x == 0, 0, x.view(torch.int32))  # -0 -> +0
+    # negative floats order backwards by magnitude: flip their magnitude bits
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return torch.where(torch.isnan(x), NAN_KEY, keys)
+
+
+@dataclass(frozen=True)
+class RowThresholds:
+    """The selection of every row as a threshold pair: key n of a row is kept iff it is visible
+    and (key[n] > threshold or (key[n] == threshold and n <= last_tie)), key the order key of
+    its score. int32 (B, Hs, Sq|1), Hs in {1, Hk, H} (query head h reads h // (H // Hs)); packed
+    sequences: (1, Hs, total_q). A row seeing at most `topk` keys has (KEEP_ALL, EVERY_TIE);
+    last_tie is EVERY_TIE wherever no visible key scoring the threshold is dropped."""
+
+    threshold: torch.Tensor
+    last_tie: torch.Tensor
+
+
+def topk_keep(keys: torch.Tensor, threshold: torch.Tensor, last_tie: torch.Tensor) -> torch.Tensor:
+    """Bool (..., Sk): which keys the threshold pairs (...) keep, visibility aside; keys (..., Sk)
+    order keys (broadcastable but for Sk, which gives the key indices: expand scores shared by
+    the keys)."""
+    key_idx = torch.arange(keys.shape[-1], device=keys.device)
+    threshold, last_tie = threshold[..., None], last_tie[..., None]
+    return (keys > threshold) | ((keys == threshold) & (key_idx <= last_tie))
+
+
+def select_thresholds(keys: torch.Tensor, visible: torch.Tensor | None,
+                      topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold, last_tie) int32 (...) of rows whose order keys are keys (..., Sk) and visible
+    keys `visible` (bool (..., Sk), broadcastable; None: all), exactly as the rule and
+    RowThresholds say. keys are broadcastable but for Sk, which counts the keys (expand scores
+    shared by the keys). O(rows x Sk) memory: callers pass chunks of rows."""
+    shape = keys.shape if visible is None else torch.broadcast_shapes(keys.shape, visible.shape)
+    seqlen_k = shape[-1]
+    keep_all = torch.full(shape[:-1], KEEP_ALL, dtype=torch.int32, device=keys.device)
+    every_tie = torch.full_like(keep_all, EVERY_TIE)
+    if topk >= seqlen_k:
+        return keep_all, every_tie
+    # one distinct int64 per key in the rule's order: its order key, then the lower index first
+    low = 2 ** 32 - 1 - torch.arange(seqlen_k, device=keys.device)
+    order = (keys.long() << 32) | low
+    if visible is not None:
+        order = torch.where(visible, order, torch.iinfo(torch.int64).min)
+    order = order.expand(shape)
+    kth = order.kthvalue(seqlen_k - topk + 1, dim=-1).values  # the topk-th largest
+    threshold = (kth >> 32).to(torch.int32)
+    last_tie = (2 ** 32 - 1 - (kth & 0xFFFFFFFF)).to(torch.int32)
+    at_least = (order >= (threshold.long() << 32)[..., None]).sum(-1)  # keys >= threshold
+    last_tie = torch.where(at_least == topk, EVERY_TIE, last_tie)
+    count = seqlen_k if visible is None else visible.expand(shape).sum(-1)
+    few = torch.as_tensor(count, device=keys.device) <= topk
+    return torch.where(few, keep_all, threshold), torch.where(few, every_tie, last_tie)
+
+
+def selection_heads(num_heads: int, num_heads_k: int, *head_counts: int) -> int:
+    """The heads of a selection whose inputs have these head counts (each 1, Hk or H): the
+    largest, so that inputs shared by a group of query heads keep one selection for it."""
+    if any(n == num_heads for n in head_counts if n > 1):
+        return num_heads
+    return num_heads_k if any(n > 1 for n in head_counts) else 1

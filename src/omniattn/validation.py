@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .kernels.sequences import PackedSequences, PagedKeys, batch_shape
+from .kernels.sequences import PackedSequences, PagedKeys, batch_shape, lse_shape
 from .masks.block_mask import BlockMask
 from .predicate import check_window
 
@@ -127,6 +127,26 @@ def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
                          f"size-1 dims broadcast")
 
 
+def check_topk(topk, topk_scores, attn_bias, q: torch.Tensor, k: torch.Tensor,
+               packed: PackedSequences | None) -> None:
+    """topk: None or a positive int; topk_scores: None (the attn_bias selects) or a float
+    tensor laid out like attn_bias, and only with topk."""
+    if topk is None:
+        if topk_scores is not None:
+            raise ValueError("topk_scores selects keys only with topk: pass topk=K (the keys "
+                             "each row keeps) too")
+        return
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be a positive int or None, got {type(topk).__name__}")
+    if topk <= 0:
+        raise ValueError(f"topk must be a positive int (the keys each row keeps), got {topk}")
+    if topk_scores is None and attn_bias is None:
+        raise ValueError("topk needs scores to select by: pass topk_scores, or an attn_bias "
+                         "(the default scores)")
+    if topk_scores is not None:
+        check_elementwise("topk_scores", topk_scores, SUPPORTED_DTYPES, q, k, packed)
+
+
 def check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   check_inputs: bool) -> PackedSequences:
     """cu_seqlens_q/k: int32 (B + 1,) on q's device, from 0 to total, non-decreasing;
@@ -230,6 +250,25 @@ def check_row_lens(row_lens, q, k, packed: PackedSequences | None,
         if packed is None:
             _remember_checked(given, k.shape[1])
     return row_lens
+
+
+def check_gradient_inputs(dout, out, lse, dlse, q, dropout_p) -> None:
+    """`attention_backward`'s own arguments: dout and out like q, lse and dlse float32 like the
+    lse attention returns; no dropout (its draws belong to a forward)."""
+    for name, t, shape, dtype in (("dout", dout, tuple(q.shape), q.dtype),
+                                  ("out", out, tuple(q.shape), q.dtype),
+                                  ("lse", lse, lse_shape(q), torch.float32),
+                                  ("dlse", dlse, lse_shape(q), torch.float32)):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must have shape {shape}, dtype {dtype} and q's device "
+                             f"{q.device}, got {describe(t)}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 in attention_backward, got {dropout_p!r}: the "
+                         f"dropped elements are drawn by the forward that ran")
 
 
 def check_paged(q, k, block_table, seqused_k, packed: bool, check_inputs: bool) -> PagedKeys:

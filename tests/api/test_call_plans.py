@@ -543,6 +543,7 @@ def test_decode_calls_replay(monkeypatch, paged):
         with torch.no_grad():
             got = omniattn.attention(q, k, v, return_lse=True, **options)
         expected = api._attention(q, k, v, True, None, None, 0.0, None, None, None, None, None,
-                                  None, None, None, 0.0, False, True, False, table, used)
+                                  None, None, None, 0.0, False, True, False, block_table=table,
+                                  seqused_k=used)
         assert all(torch.equal(g, e) for g, e in zip(got, expected)), call
         assert paths == ["plan"] * max(call - 1, 0), call

@@ -427,6 +427,39 @@ def test_unknown_keyword_sdpa_style():
         attention(q, k, v, is_causal=True)
 
 
+KEY_SCORES = torch.zeros(B, H, 1, S)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(topk=0, topk_scores=KEY_SCORES), ValueError,
+     "topk must be a positive int (the keys each row keeps), got 0"),
+    (dict(topk=2.0, topk_scores=KEY_SCORES), TypeError, "topk must be a positive int or None, got "
+                                                        "float"),
+    (dict(topk=True, topk_scores=KEY_SCORES), TypeError, "topk must be a positive int or None, "
+                                                         "got bool"),
+    (dict(topk=torch.tensor(3), topk_scores=KEY_SCORES), TypeError,
+     "topk must be a positive int or None, got Tensor"),
+    (dict(topk_scores=KEY_SCORES), ValueError, "topk_scores selects keys only with topk"),
+    (dict(topk=2), ValueError, "topk needs scores to select by: pass topk_scores, or an "
+                               "attn_bias"),
+    (dict(topk=2, topk_scores=torch.zeros(B, 3, 1, S)), ValueError,
+     f"topk_scores has shape (1, 3, 1, {S}), not broadcastable to (B={B}, H in {{1,{H},{H}}}, "
+     f"Sq={S}, Sk={S})"),
+    (dict(topk=2, topk_scores=torch.zeros(B, H, 1, S, dtype=torch.int32)), TypeError,
+     "topk_scores has dtype torch.int32; expected one of"),
+    (dict(topk=2, topk_scores=torch.zeros(B, H, 1, S, device="meta")), ValueError,
+     "topk_scores is on meta but q is on cpu"),
+    (dict(topk=2, topk_scores=[0.5]), TypeError, "topk_scores must be a torch.Tensor or None, "
+                                                 "got list"),
+])
+def test_topk_arguments(options, error, message):
+    """Named in every message; shapes, dtypes and devices, never a tensor's values."""
+    q, k, v = make()
+    with pytest.raises(error, match="^" + esc(message)) as raised:
+        attention(q, k, v, **options)
+    assert "tensor(" not in str(raised.value)
+
+
 def test_error_leaves_inputs_and_grads_untouched(monkeypatch):
     calls = []
     monkeypatch.setattr(api_mod, "triton_attention", lambda *a, **kw: calls.append("triton"))

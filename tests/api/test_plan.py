@@ -130,18 +130,14 @@ def test_explain_validates_like_attention():
 
 def test_the_call_runs_what_the_plan_says(monkeypatch):
     """attention launches the kernels its plan names (here under the interpreter: fwd / bwd)."""
-    from omniattn.backends.triton import backward as bwd
-    from omniattn.backends.triton import forward as fwd
+    from omniattn import autograd, passes
 
     launched = []
-    forward, backward = fwd.attention_forward, bwd.attention_backward
-    monkeypatch.setattr(fwd, "attention_forward",
+    forward, backward = passes.attention_forward, passes.attention_backward
+    monkeypatch.setattr(autograd, "attention_forward",
                         lambda *a, **kw: launched.append(kw["kernel"]) or forward(*a, **kw))
-    monkeypatch.setattr(bwd, "attention_backward",
+    monkeypatch.setattr(autograd, "attention_backward",
                         lambda *a, **kw: launched.append(kw["kernel"]) or backward(*a, **kw))
-    from omniattn import autograd
-    monkeypatch.setattr(autograd, "attention_forward", fwd.attention_forward)
-    monkeypatch.setattr(autograd, "attention_backward", bwd.attention_backward)
     q, k, v = (t.detach().to(DEVICE).requires_grad_()
                for t in qkv(seqlen=24, heads=2, heads_k=1, head_dim=16, dtype=torch.float16))
     explained = omniattn.explain(q, k, v, causal=True)

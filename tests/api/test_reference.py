@@ -247,7 +247,7 @@ def saved_bytes(run, inputs) -> int:
 
 
 @pytest.mark.parametrize("masks", ["causal", "window", "row lengths", "numeric mask", "bias",
-                                   "block mask"])
+                                   "block mask", "top-k"])
 def test_saved_for_backward_grows_linearly(masks):
     """The checkpointed chunks keep O(Sq * D + inputs) for the backward, no (Sq, Sk) mask: 4x
     the rows, 4x the bytes. fp16 inputs: their float32 copies are the part that grows."""
@@ -267,6 +267,8 @@ def test_saved_for_backward_grows_linearly(masks):
             options["attn_bias"] = torch.randn(1, 1, seqlen, seqlen, dtype=torch.float16)
         elif masks == "block mask":
             options = {"block_mask": causal_block_mask(seqlen, seqlen, 128)}
+        elif masks == "top-k":  # per-key scores: each chunk selects its rows' keys inside
+            options.update(topk=64, topk_scores=torch.randn(1, 1, 1, seqlen))
         inputs = [q, k, v, *(t for t in options.values() if isinstance(t, torch.Tensor))]
         saved.append(saved_bytes(lambda: attention_reference(q, k, v, **options), inputs))
     assert saved[1] <= 4.5 * saved[0], saved

@@ -123,7 +123,7 @@ def _masked_lse(lse):
 
 def _single_process(q, k, v, dout, dlse, kwargs, upcast: bool):
     """(out, lse, dq, dk, dv[, dbias]) of the single-process call: the float64 reference
-    (upcast) or plain PyTorch in the inputs' dtype. topk cases run omniattn.attention."""
+    (upcast) or plain PyTorch in the inputs' dtype (top-k included)."""
     from omniattn.reference import attention_reference
 
     kwargs = dict(kwargs)
@@ -132,10 +132,7 @@ def _single_process(q, k, v, dout, dlse, kwargs, upcast: bool):
               for t in leaves]
     if "attn_bias" in kwargs:
         kwargs["attn_bias"] = leaves[3]
-    if "topk" in kwargs:
-        out, lse = _local_attention()(*leaves[:3], return_lse=True, **kwargs)
-    else:
-        out, lse = attention_reference(*leaves[:3], return_lse=True, upcast=upcast, **kwargs)
+    out, lse = attention_reference(*leaves[:3], return_lse=True, upcast=upcast, **kwargs)
     loss = (out * dout.to(out.dtype)).sum() + (_masked_lse(lse) * dlse.to(lse.dtype)).sum()
     return (out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves))
 
@@ -194,6 +191,46 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -
         exact = _single_process(q, k, v, dout, dlse, kwargs, upcast=True)
         plain = _single_process(q, k, v, dout, dlse, kwargs, upcast=False)
         _compare(got, exact, plain, dtype)
+
+
+def run_backward_without_forward(shapes: Shapes, device, dtype) -> None:
+    """The ring's backward runs no forward: counted at the pieces' local calls and at the
+    kernels' forward launcher (under the interpreter or on GPUs), the backward makes as many
+    local backward calls as the forward made forward calls, and no forward call."""
+    from omniattn import autograd
+    from omniattn import distributed as cp
+    from omniattn.distributed import pieces
+
+    calls = {"forward": 0, "backward": 0, "kernel_forward": 0}
+
+    def counted(name, fn):
+        return lambda *args, **kwargs: calls.__setitem__(name, calls[name] + 1) \
+            or fn(*args, **kwargs)
+
+    saved = (pieces.local_attention, pieces.local_backward, autograd._forward_impl)
+    pieces.local_attention = counted("forward", saved[0])
+    pieces.local_backward = counted("backward", saved[1])
+    autograd._forward_impl = counted("kernel_forward", saved[2])
+    try:
+        world = dist.get_world_size()
+        seqlen = shapes.chunk * 2 * world
+        generator = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(shapes.batch, seqlen, heads, shapes.head_dim, generator=generator)
+                   .to(device, dtype).requires_grad_()
+                   for heads in (shapes.heads, shapes.heads_k, shapes.heads_k))
+        bias = torch.randn(1, shapes.heads_k, 1, seqlen, generator=generator).to(device, dtype)
+        bias.requires_grad_()
+        out = cp.attention(*(cp.shard(t) for t in (q, k, v)), method="ring", causal=True,
+                           attn_bias=cp.shard(bias, dim=3))
+        forward_calls = calls["forward"]
+        calls.update(forward=0, kernel_forward=0)
+        out.square().sum().backward()
+        expected = {"forward": 0, "backward": forward_calls, "kernel_forward": 0}
+        assert forward_calls > 0 and calls == expected, \
+            f"forward: {forward_calls} local calls; backward: {calls}"
+        assert all(t.grad is not None for t in (q, k, v, bias))
+    finally:
+        pieces.local_attention, pieces.local_backward, autograd._forward_impl = saved
 
 
 # ---- bad calls: (id, expected exception, a regex of its message, the call) ----
@@ -414,6 +451,9 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     for seed, case in enumerate(cases()):
         if only is None or case.id in only:
             record(case.id, lambda: run_case(case, shapes, device, dtype, seed))
+    if only is None or "ring-backward_without_forward" in only:
+        record("ring-backward_without_forward",
+               lambda: run_backward_without_forward(shapes, device, dtype))
     if only is None:
         run_groups(shapes, device, dtype, record)
         record("transformers", lambda: run_transformers(device))

@@ -40,6 +40,13 @@ def test_matches_single_process(gloo, case: Case):
     assert gloo["results"][case.id] == "ok", gloo["results"][case.id]
 
 
+def test_ring_backward_runs_no_forward(gloo):
+    """The ring's backward: one local backward call per piece, from the merged out and lse,
+    and no forward call (counted at the pieces' calls)."""
+    outcome = gloo["results"]["ring-backward_without_forward"]
+    assert outcome == "ok", outcome
+
+
 def test_other_groups(gloo):
     """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3), one
     rank alone."""
@@ -76,9 +83,11 @@ def test_auto_choice_and_reasons(gloo):
 @pytest.mark.interpreter
 def test_triton_kernels_under_the_interpreter(tmp_path):
     """A few cases through the Triton kernels (TRITON_INTERPRET=1): the pieces' strided rows,
-    block-mask parts with element bitmaps, unchecked lengths."""
+    block-mask parts with element bitmaps, unchecked lengths; the ring's backward launches no
+    forward kernel."""
     only = ["ring-zigzag-everything-odd_heads", "ring-zigzag-block_documents",
-            "allgather-contiguous-everything", "ulysses-zigzag-row_lengths"]
+            "allgather-contiguous-everything", "ulysses-zigzag-row_lengths",
+            "ring-backward_without_forward"]
     shapes = Shapes(batch=1, chunk=16, heads=2, heads_k=2, head_dim=16)
     outcome = _spawn(2, "gloo", "float32", shapes, tmp_path, only=only, interpret=True)
     assert [outcome["results"][name] for name in only] == ["ok"] * len(only), outcome["results"]

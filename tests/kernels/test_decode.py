@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import omniattn
-from omniattn.backends.triton.decode import attention_decode
+from omniattn.passes import decode_forward
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.reference import paged_reference
 
@@ -180,7 +180,7 @@ def test_decode_split_counts_agree(splits):
     """One split writes out / lse directly; several merge partials: the same result."""
     q, k, v = qkv(2, 2, 70, 4, 2, 32, torch.float32, seed=2)
     args = KernelArgs.make(32, True, None, None, 0.0)
-    out, lse = attention_decode(q, k, v, args, num_splits=splits)
+    out, lse = decode_forward(q, k, v, args, num_splits=splits)
     exact = paged_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
     torch.testing.assert_close(out.double(), exact[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), exact[1].double(), atol=1e-5, rtol=1e-5)

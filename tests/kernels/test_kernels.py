@@ -17,9 +17,8 @@ import omniattn
 from omniattn import plan
 from omniattn.backends.gluon_sm90 import backward as bwd_hopper
 from omniattn.backends.triton import configs
-from omniattn.backends.triton.backward import attention_backward
-from omniattn.backends.triton.forward import attention_forward
 from omniattn.kernels.schedule import KernelArgs
+from omniattn.passes import attention_backward, attention_forward
 
 MASKS = {
     "dense": dict(causal=False, window=None),

@@ -364,7 +364,7 @@ def test_backward_is_deterministic():
 
 def test_row_order_is_for_lengths_alone():
     """The launchers refuse a row order next to a term indexed by the caller's rows."""
-    from omniattn.backends.triton.forward import attention_forward
+    from omniattn.passes import attention_forward
     from omniattn.kernels.schedule import KernelArgs
 
     q, k, v = random_qkv(1, 20, 20, 2, 2, 16, torch.float16, requires_grad=False)

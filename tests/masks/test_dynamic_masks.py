@@ -1,12 +1,17 @@
-"""Top-k keep-window masks against a brute-force torch.topk per row; the memory of training
+"""Top-k keep-window masks against a brute-force torch.topk per row, and with ties against the
+float64 brute force of issue #53's rule (ties to the lower key index), identical to what
+attention(topk=...) keeps on either path (the kernels', the chunked one); the memory of training
 with them (issue #4)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from helpers import brute_force_topk, visible_keys
 from omniattn import attention
 from omniattn.masks import prepare_dynamic_mask, topk_mask
+from omniattn.predicate import order_keys, topk_keep
+from omniattn.reference import topk_thresholds
 
 
 def brute_force(scores, window, allowed):
@@ -82,6 +87,39 @@ def test_causal_topk_without_a_causal_mask(seqlen_q, seqlen_k):
     keep = topk_mask(scores, 4, causal=True, seqlen_q=seqlen_q, chunk_size=5)
     assert keep.shape == (2, 3, seqlen_q, seqlen_k)
     assert torch.equal(keep, brute_force(scores, 4, causal))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "chunks"])
+@pytest.mark.parametrize("scores_shape, mask_shape, causal", [
+    ((2, 3, 1, 23), None, True),  # dt states: per-key scores, causal
+    ((2, 3, 9, 23), (2, 1, 9, 23), False),
+    ((2, 1, 1, 23), (2, 3, 1, 23), False),
+    ((3, 9, 23), (1, 9, 23), True),
+])
+def test_topk_mask_ties_and_attention_keep_the_same_keys(scores_shape, mask_shape, causal,
+                                                         kernels, monkeypatch):
+    """Integer-valued scores (ties everywhere, some NaN and -inf): the mask is the float64 brute
+    force of the rule and what attention(topk=4, topk_scores=scores) keeps, on the kernels'
+    path (the interpreter's, CUDA's) and on the chunked one."""
+    if not kernels:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    generator = torch.Generator().manual_seed(len(scores_shape) + scores_shape[2])
+    scores = torch.randint(-2, 3, scores_shape, generator=generator).float()
+    draw = torch.rand(scores_shape, generator=generator)
+    scores = torch.where(draw < 0.05, float("nan"), torch.where(draw > 0.95, -float("inf"),
+                                                                 scores))
+    mask = None if mask_shape is None else torch.rand(mask_shape, generator=generator) > 0.3
+    keep = topk_mask(scores, 4, mask, causal=causal, seqlen_q=9, chunk_size=4)
+    four_d = [t if t is None or t.dim() == 4 else t[None] for t in (scores, mask)]
+    batch, heads, rows = (1,) * (4 - keep.dim()) + keep.shape[:-1]
+    visible = visible_keys(batch, heads, rows, 23, causal, attn_mask=four_d[1])
+    expected = brute_force_topk(four_d[0].expand(visible.shape), visible, 4)
+    assert torch.equal(keep.reshape(expected.shape), expected)
+    q, k = torch.empty(batch, rows, heads, 8), torch.empty(batch, 23, heads, 8)
+    pairs = topk_thresholds(q, k, 4, four_d[0], causal=causal, attn_mask=four_d[1])
+    keys = order_keys(four_d[0]).expand(visible.shape)
+    attention_keeps = visible & topk_keep(keys, pairs.threshold, pairs.last_tie)
+    assert torch.equal(keep.reshape(expected.shape), attention_keeps)
 
 
 @pytest.mark.gpu

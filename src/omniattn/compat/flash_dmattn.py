@@ -45,7 +45,9 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
           an (Sq, Sk) matrix per head is exactly what this library never materialises.
         - prepare_dynamic_mask returns the bias as (B, Hk, 1, Sk) and the keep mask as bool
           (B, Hk, 1|Sq, Sk), not both expanded to (B, Hk, Sq, Sk), and does not fill the bias
-          with the dtype's minimum where masked (the mask carries that).
+          with the dtype's minimum where masked (the mask carries that). Its top-k breaks ties
+          to the lower key index (torch.topk's order is unspecified) and ranks NaN highest: the
+          rule of `attention(topk=...)`, so the mask keeps what that call would.
     """
     out, lse = attention(query, key, value, causal=bool(is_causal), softmax_scale=softmax_scale,
                          softcap=float(softcap or 0.0), attn_mask=attn_mask, attn_bias=attn_bias,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import attention as local_attention
+from ..api import attention_backward as local_backward
 from ..masks.block_mask import BlockMask
 from ..masks.evaluate import predicate_blocks
 from ..predicate import HIDDEN, RelativePredicate
@@ -53,6 +54,25 @@ class Piece:
         """(out (B, rows, H, D), lse (B, H, rows) float32) of this piece: q this rank's shard,
         k / v (B, keys held, Hk, D) and attn_bias / topk_scores (B|1, Hm, 1, keys held) the
         block held, row_lens (B, S/P) this rank's rows' global key lengths."""
+        tensors, keywords = self._call(q, k, v, attn_bias, row_lens, options, topk_scores)
+        return local_attention(*tensors, return_lse=True, **keywords)
+
+    def gradients(self, dout, out, lse, dlse, q, k, v, attn_bias, row_lens, options: dict):
+        """(dq (B, rows, H, D), dk / dv (B, keys, Hk, D), dbias (B|1, Hm, 1, keys) or None) of
+        this piece, from the merged out (B, S/P, H, D) and lse (B, H, S/P) of this rank's rows
+        (the softmax over every key they see) and their gradients dout, dlse | None: the
+        piece's share of the rows' gradients, with no forward. Arguments as run's; dbias when
+        attn_bias requires grad."""
+        (i0, i1) = self.rows
+        tensors, keywords = self._call(q, k, v, attn_bias, row_lens, options)
+        if attn_bias is not None and attn_bias.requires_grad:
+            # the slice as a leaf of its own, whatever the grad mode: its gradient is asked for
+            keywords["attn_bias"] = keywords["attn_bias"].detach().requires_grad_()
+        return local_backward(dout[:, i0:i1], *tensors, out[:, i0:i1], lse[..., i0:i1],
+                              dlse[..., i0:i1] if dlse is not None else None, **keywords)
+
+    def _call(self, q, k, v, attn_bias, row_lens, options: dict, topk_scores=None):
+        """(q, k, v) and the keywords of this piece's local call."""
         (i0, i1), (j0, j1) = self.rows, self.keys
         lens = None
         if row_lens is not None:
@@ -60,11 +80,11 @@ class Piece:
         extra = dict(options)
         if topk_scores is not None:
             extra["topk_scores"] = topk_scores[..., j0:j1]
-        return local_attention(
-            q[:, i0:i1], k[:, j0:j1], v[:, j0:j1], causal=self.causal, window=self.window,
-            block_mask=self.block_mask,
-            attn_bias=attn_bias[..., j0:j1] if attn_bias is not None else None,
-            seqlens_k_per_row=lens, return_lse=True,
+        if attn_bias is not None:
+            extra["attn_bias"] = attn_bias[..., j0:j1]
+        return (q[:, i0:i1], k[:, j0:j1], v[:, j0:j1]), dict(
+            causal=self.causal, window=self.window, block_mask=self.block_mask,
+            seqlens_k_per_row=lens,
             # the lengths were checked once, globally, and clamped here: no sync per piece
             check_inputs=lens is None, **extra)
 

@@ -72,6 +72,11 @@ class Elementwise:
         return (placeholder(device, torch.float32), 0, 0, 0, 0, 1)
 
     @staticmethod
+    def form(e: "Elementwise | None") -> tuple[bool, bool, bool]:
+        """(given, rows shared, columns shared): the Triton kernels' MASK_FORM / BIAS_FORM."""
+        return (e is not None, e is not None and e.rows_shared, e is not None and e.cols_shared)
+
+    @staticmethod
     def kernel_flags(mask: "Elementwise | None", bias: "Elementwise | None") -> dict:
         """The attention kernels' constexprs for an optional mask and bias."""
         return dict(HAS_MASK=mask is not None,

@@ -123,18 +123,20 @@ class BlockBits:
     block_k: int
 
     def operands(self) -> tuple:
-        """Kernel operands: slots, its (b, h, q block, k block) strides (broadcasts 0), bits."""
-        return (self.slots, *broadcast_strides(self.slots), self.bits)
+        """Kernel operands: slots, its (b, h, q block, k block) strides in one tuple (broadcasts
+        0), bits."""
+        return (self.slots, broadcast_strides(self.slots), self.bits)
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
-        return (placeholder(device), 0, 0, 0, 0, placeholder(device, torch.uint8))
+        return (placeholder(device), (0, 0, 0, 0), placeholder(device, torch.uint8))
 
     @staticmethod
-    def kernel_flags(bits: "BlockBits | None") -> dict:
-        """The attention kernels' constexprs for optional bitmaps (user block 1x1 without)."""
-        return dict(HAS_BITS=bits is not None, USER_BQ=bits.block_q if bits is not None else 1,
-                    USER_BK=bits.block_k if bits is not None else 1)
+    def kernel_form(bits: "BlockBits | None") -> tuple[bool, int, int]:
+        """The Triton kernels' BITS_FORM for optional bitmaps: (given, user block rows, columns),
+        the user block 1x1 without."""
+        return (bits is not None, bits.block_q if bits is not None else 1,
+                bits.block_k if bits is not None else 1)
 
 
 @dataclass

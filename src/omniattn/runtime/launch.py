@@ -62,6 +62,13 @@ def arguments_key(values) -> tuple:
         else value if type(value) in _PLAIN else _other_key(value) for value in values])
 
 
+def tensors_then_tuple(operands: tuple, tensors: int) -> tuple:
+    """A launcher's operands, `tensors` tensors then their strides (and sizes), as the Triton
+    kernels take them: each tensor an argument of its own (`FlatLaunch` replays set only
+    top-level pointers), the rest one tuple argument."""
+    return (*operands[:tensors], operands[tensors:])
+
+
 def _tail(kernel, args: tuple, kwargs: dict) -> tuple | None:
     """The parameters after the positional ones in signature order (keywords, then defaults),
     as the launcher takes them; None when one is a tensor (it would change between calls)."""

@@ -37,9 +37,9 @@ from ...kernels.sequences import (PackedSequences, batch_shape, packed_operands,
 from ...kernels.sizes import cdiv
 from ...runtime.launch import launch
 from ...runtime.switches import sm_count
-from .blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows, flat_view_bounds,
-                     gluon_refusal, hand_over, handed, load_tile, producer_tiles, scatter_rows,
-                     tensor_descriptor, tile_at)
+from .blocks import (ElementForm, by_tma, copy_tile, descriptor, flat_launch, flat_rows,
+                     flat_view_bounds, gluon_refusal, hand_over, handed, load_tile, producer_tiles,
+                     scatter_rows, tensor_descriptor, tile_at)
 from .configs import (causal_pairs_per_group, hopper_backward_config, hopper_backward_dq_trails,
                       hopper_backward_p_rounding, hopper_backward_splits_head_dim)
 
@@ -74,12 +74,14 @@ def _round_in_pairs(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-                stride_fih, first_m, end_m, EXPLICIT: gl.constexpr):
+def _head_steps(h, lists, list_strides, first_m, end_m, EXPLICIT: gl.constexpr):
     """Query tiles of the group's head h: (num_part, part_list, full_list, num_steps, first);
     step j visits tile first + `tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
-    FULL one (pointers given at the group's first head, per-head strides 0 where the schedule
-    broadcasts heads); implicit: tiles [first_m, end_m)."""
+    FULL one (lists: num, indices, full num, full indices at the group's first head;
+    list_strides: the launch's, per-head strides 0 where the schedule broadcasts heads);
+    implicit: tiles [first_m, end_m)."""
+    part_num, part_list, full_num, full_list = lists
+    _, stride_pnh, _, _, stride_pih, _, _, stride_fnh, _, _, stride_fih, _ = list_strides
     if EXPLICIT:
         num_part = gl.load(part_num + h * stride_pnh)
         num_steps = num_part + gl.load(full_num + h * stride_fnh)
@@ -94,22 +96,23 @@ def _head_steps(h, part_num, part_list, full_num, full_list, stride_pnh, stride_
 
 
 @gluon.jit
-def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-               lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, q_start,
-               k_start, off_hk, num_heads, delta_row0, start_n, first_m, end_m, group, seqlen_q,
-               part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-               stride_fih, mask_desc, mask_smem, mask_row0, mask_head_div, rows_smem,
+def _load_q_do(loads, num_heads, delta_row0, group, list_strides, mask_head_div,
                BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
-               MASK_TMA: gl.constexpr):
+               MASK_FORM: gl.constexpr):
     """Producer: the program's K and V tiles once (each consumer's half of the keys a copy of its
     own: barriers K0, K1, V0, V1), then for the query tiles of each head of the group
     (`_head_steps`) q with its lse row and dO with its delta row into buffer i % NUM_BUF, as soon
-    as both consumers released the tiles that used it before. MASK_TMA: the masked steps' mask
-    tiles too, a [BM, BN/2] box per consumer (mask rows (batch, head, query) flattened: mask_row0
-    is the batch's first). Explicit schedules: each step's query tile and the head's next one
-    into rows_smem beside its buffer before q_ready's arrival, for the consumers
-    (`_listed_tiles`)."""
+    as both consumers released the tiles that used it before. A mask by TMA (MASK_FORM.tma): the
+    masked steps' mask tiles too, a [BM, BN/2] box per consumer (mask rows (batch, head, query)
+    flattened: mask_row0 is the batch's first). Explicit schedules: each step's query tile and
+    the head's next one into rows_smem beside its buffer before q_ready's arrival, for the
+    consumers (`_listed_tiles`). loads: the program's values and buffers, as the kernel packs
+    them; then the launch's scalars, as the kernel takes them (see `_key_gradients`): heads,
+    delta's first row, group, list strides, the mask's head divisor."""
+    (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+     delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, q_start, k_start, off_hk, start_n,
+     first_m, end_m, seqlen_q, lists, mask_desc, mask_smem, mask_row0, rows_smem) = loads
     for c in gl.static_range(2):
         key0 = start_n + c * HALF_N
         load_tile(k_desc, off_b, key0, off_hk, k_start, kv_ready.index(c), k_smem.index(c),
@@ -120,8 +123,7 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
     for h in range(group):
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
-            h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-            stride_fih, first_m, end_m, EXPLICIT)
+            h, lists, list_strides, first_m, end_m, EXPLICIT)
         mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
         # the list entry of step j + 1 is read during step j
         next_tile = first + tile_at(0, num_part, head_part, head_full, EXPLICIT)
@@ -139,7 +141,7 @@ def _load_q_do(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_s
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
             stats_row = off_b * num_heads + head
             q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
-            if MASK_TMA:
+            if MASK_FORM.tma:
                 with_mask = j < num_part  # the PARTIAL steps
                 mask_bytes: gl.constexpr = 2 * mask_desc.block_type.nbytes
                 mbarrier.expect(q_ready.index(buf), q_bytes + mask_bytes, pred=with_mask)
@@ -300,44 +302,35 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
                 head_bias, has_next, prev_tile_m, prev_head, lens_rows, MASKED: gl.constexpr,
                 KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, MASK_FORM: gl.constexpr,
-                BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
-                EVEN_M: gl.constexpr,
-                EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
-                HALF_N: gl.constexpr,
+                BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
+                P_ROUNDING: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
                 FLAT: gl.constexpr, s_layout: gl.constexpr, dq_layout: gl.constexpr):
     """One query tile against this consumer's keys: dK and dV accumulate, dQ of the tile (both
     consumers' keys, this consumer's half of the head dim) is reduce-added into dq_desc. MASKED
     tiles drop keys right of each row's window (diag = Sk - Sq + window_right), left of it
-    (diag_left = Sk - Sq - window_left) and where the mask (HAS_MASK) is 0; MASKED or KEY_END ones
-    keys past Sk; the bias (HAS_BIAS) is added in every tile. mask_cols / bias_cols / dbias_cols
-    point at this consumer's first key (key0), query 0, of the head. DBIAS: the score gradient goes
-    to dbias_keys [BN/2] (a key bias: summed over queries), is added into the fp32 dbias by atomics
-    (one column or a scalar: summed over keys) or is stored as the tile. ROW_ORDER: MASKED tiles
-    also drop the keys past each row's length (lens_rows: the batch's lengths, rows in length
-    order). Explicit schedules read the step's tile_m (and the next step's) from rows_smem once its
-    q has landed. NUM_DS: dS buffers; with 3, the dQ of the previous step (prev_tile_m of head
-    prev_head) is computed in this one. P_ROUNDING: how P^T is rounded for dV and which P^T dS^T
-    takes (`hopper_backward_p_rounding`). Returns (dk, dv, dbias_keys, tile_m).
+    (diag_left = Sk - Sq - window_left) and where the mask (if given) is 0; MASKED or KEY_END
+    ones keys past Sk; the bias (if given) is added in every tile. mask_cols / bias_cols /
+    dbias_cols point at this consumer's first key (key0), query 0, of the head. DBIAS: the score
+    gradient goes to dbias_keys [BN/2] (a key bias: summed over queries), is added into the fp32
+    dbias by atomics (one column or a scalar: summed over keys) or is stored as the tile.
+    ROW_ORDER: MASKED tiles also drop the keys past each row's length (lens_rows: the batch's
+    lengths, rows in length order). Explicit schedules read the step's tile_m (and the next
+    step's) from rows_smem once its q has landed. NUM_DS: dS buffers; with 3, the dQ of the
+    previous step (prev_tile_m of head prev_head) is computed in this one. P_ROUNDING: how P^T is
+    rounded for dV and which P^T dS^T takes (`hopper_backward_p_rounding`). Returns (dk, dv,
+    dbias_keys, tile_m).
     Grouped arguments: buffers (q, dO, lse, delta, dS, dQ, mask and list-row shared buffers),
     barriers (q ready, dO ready, q / dO free, dS ready), mask_view / bias_view / dbias_view
     (pointer, stride along queries, stride along keys), bias_tma (descriptor, row, barrier);
-    MASK_FORM / BIAS_FORM (given, by TMA, rows shared, columns shared)."""
+    MASK_FORM / BIAS_FORM: `ElementForm`s."""
     q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, mask_smem, rows_smem = buffers
     q_ready, do_ready, qdo_free, ds_ready = barriers
     mask_cols, stride_mm, stride_mn = mask_view
     bias_cols, stride_bm, stride_bn = bias_view
     dbias_cols, stride_dbm, stride_dbn = dbias_view
     bias_desc, bias_row, bias_ready = bias_tma
-    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
-    HAS_MASK: gl.constexpr = MASK_FORM[0]
-    MASK_TMA: gl.constexpr = MASK_FORM[1]
-    MASK_ROWS_SHARED: gl.constexpr = MASK_FORM[2]
-    MASK_COLS_SHARED: gl.constexpr = MASK_FORM[3]
-    HAS_BIAS: gl.constexpr = BIAS_FORM[0]
-    BIAS_TMA: gl.constexpr = BIAS_FORM[1]
-    BIAS_ROWS_SHARED: gl.constexpr = BIAS_FORM[2]
-    BIAS_COLS_SHARED: gl.constexpr = BIAS_FORM[3]
     DQ_TRAILS: gl.constexpr = NUM_DS > 2
     buf = i % NUM_BUF
     phase = (i // NUM_BUF) & 1
@@ -357,16 +350,16 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
     row_ends = 0
     if MASKED and ROW_ORDER:
         row_ends = gl.load(lens_rows + start_m + local_m, mask=local_m < rows_left, other=0)
-    if MASKED and HAS_MASK and not MASK_TMA:
+    if MASKED and MASK_FORM.given and not MASK_FORM.tma:
         keep_t = load_pair_tile(mask_cols + start_m.to(gl.int64) * stride_mm, local_n, local_m,
-                                stride_mn, stride_mm, cols_left, rows_left, MASK_COLS_SHARED,
-                                MASK_ROWS_SHARED, EVEN_N, EVEN_M)
-    if HAS_BIAS and BIAS_ROWS_SHARED:
+                                stride_mn, stride_mm, cols_left, rows_left, MASK_FORM.cols_shared,
+                                MASK_FORM.rows_shared, EVEN_N, EVEN_M)
+    if BIAS_FORM.given and BIAS_FORM.rows_shared:
         bias_t = head_bias
-    elif HAS_BIAS and not BIAS_TMA:
+    elif BIAS_FORM.given and not BIAS_FORM.tma:
         bias_t = load_pair_tile(bias_cols + start_m.to(gl.int64) * stride_bm, local_n, local_m,
-                                stride_bn, stride_bm, cols_left, rows_left, BIAS_COLS_SHARED,
-                                BIAS_ROWS_SHARED, EVEN_N, EVEN_M)
+                                stride_bn, stride_bm, cols_left, rows_left, BIAS_FORM.cols_shared,
+                                BIAS_FORM.rows_shared, EVEN_N, EVEN_M)
     q = q_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
     do = do_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
     # the accumulators start at -lse / scale and -delta (rows of the producer's stats tiles,
@@ -378,18 +371,18 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
     lse_scaled = lse_smem.index(buf).load(s_layout)  # [1, BM]
     s_t = warpgroup_mma(k_half, q.permute((1, 0)), s_zero - lse_scaled, is_async=True)
     s_t = warpgroup_mma_wait(0, deps=(s_t,))  # [BN/2, BM]
-    if BIAS_TMA:
+    if BIAS_FORM.tma:
         mbarrier.wait(bias_ready.index(CONSUMER * 2 + i % 2), (i // 2) & 1)
         bias_t = _bias_buffer(bias_desc, ds_smem, i, CONSUMER, HALF_N,
                               NUM_DS).permute((1, 0)).load(s_layout)
-    if HAS_BIAS:
+    if BIAS_FORM.given:
         p_t = gl.exp2(s_t * qk_scale_log2 + bias_t.to(gl.float32) * LOG2E)
     else:
         p_t = gl.exp2(s_t * qk_scale_log2)
     # each term its own select (a predicate each)
     if MASKED:
-        if HAS_MASK:
-            if MASK_TMA:
+        if MASK_FORM.given:
+            if MASK_FORM.tma:
                 # the producer's tile, [BM, BN/2] in shared memory: read here, not held
                 keep_t = mask_smem.index(buf * 2 + CONSUMER).permute((1, 0)).load(s_layout)
             p_t = gl.where(keep_t != 0, p_t, 0.0)
@@ -426,11 +419,11 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
     else:
         ds_t = p_round.to(gl.float32) * dp_t
     if DBIAS:
-        if BIAS_ROWS_SHARED and BIAS_COLS_SHARED:
+        if BIAS_FORM.rows_shared and BIAS_FORM.cols_shared:
             gl.atomic_add(dbias_cols, gl.sum(gl.sum(ds_t, 1), 0), sem="relaxed")
-        elif BIAS_ROWS_SHARED:
+        elif BIAS_FORM.rows_shared:
             dbias_keys += gl.sum(ds_t, 1)
-        elif BIAS_COLS_SHARED:
+        elif BIAS_FORM.cols_shared:
             # a bias with one column: this tile's row sums, added across key tiles
             gl.atomic_add(dbias_cols + (start_m + local_m).to(gl.int64) * stride_dbm,
                           gl.sum(ds_t, 0), mask=local_m < rows_left, sem="relaxed")
@@ -459,7 +452,7 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
         # one buffer per parity of i, so a consumer one tile ahead never overwrites what the
         # other still reads
         mbarrier.wait(ds_ready.index(dq_ds), (i // NUM_DS) & 1)
-    if BIAS_TMA:
+    if BIAS_FORM.tma:
         _copy_bias_tile(bias_desc, bias_row + next_m * BLOCK_M, key0, bias_ready, ds_smem,
                         i + 1, has_next, CONSUMER, HALF_N, NUM_DS)
     dq = _dq_matmuls(ds_smem.index(dq_ds), k_dq0, k_dq1, BLOCK_M, HALF_N, HEAD_DIM, dq_layout)
@@ -484,8 +477,8 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
                  softmax_scale, mask_view, bias_view, dbias_view, bias_tma, head_bias, lens_rows,
                  MASKED: gl.constexpr, KEY_END: gl.constexpr, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr,
-                 MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
-                 EVEN_M: gl.constexpr,
+                 MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr,
+                 DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr, EVEN_M: gl.constexpr,
                  EVEN_N: gl.constexpr, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
                  HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                  NUM_DS: gl.constexpr, FLAT: gl.constexpr, s_layout: gl.constexpr,
@@ -500,30 +493,22 @@ def _query_tiles(steps_begin, steps_end, i, prev_tile_m, prev_head, first, num_s
             qk_scale_log2, softmax_scale, mask_view, bias_view, dbias_view, bias_tma, head_bias,
             j + 1 < num_steps, prev_tile_m, prev_head, lens_rows, MASKED, KEY_END, HAS_LEFT,
             HAS_RIGHT, EXPLICIT, ROW_ORDER, MASK_FORM, BIAS_FORM, DBIAS, DBIAS_FROM_DS,
-            P_ROUNDING, EVEN_M,
-            EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout,
-            dq_layout)
+            P_ROUNDING, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS,
+            FLAT, s_layout, dq_layout)
         prev_head = head
         i += 1
     return dk, dv, dbias_keys, i, prev_tile_m, prev_head
 
 
 @gluon.jit
-def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
-                   v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, qdo_free,
-                   ds_ready, kv_done, off_b, q_start, k_start, off_hk, start_n, first_m,
-                   first_full, last_full,
-                   end_m, num_m_tiles, group, seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2,
-                   softmax_scale,
-                   lists, mask_view, bias_view, dbias_view, mask_smem, bias_tma0, rows_smem,
-                   lens_rows, packed_rows,
-                   CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-                   MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr,
-                   EVEN_M: gl.constexpr,
-                   EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr,
-                   FLAT: gl.constexpr):
+def _key_gradients(program, dq_smem, group, list_strides, mask_layout, bias_layout,
+                   dbias_strides, dk_strides, dv_strides, CONSUMER: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr,
+                   ROW_ORDER: gl.constexpr, PACKED: gl.constexpr, MASK_FORM: gl.constexpr,
+                   BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
+                   P_ROUNDING: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr, FLAT: gl.constexpr):
     """Consumer warpgroup: dK and dV of keys [start_n + CONSUMER * BN/2, + BN/2) over the query
     tiles of every head of the group (`_head_steps`). Implicit schedules: tiles [first_m,
     first_full) and [last_full, end_m) are masked (ROW_ORDER: by the rows' lengths too),
@@ -531,29 +516,24 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     past Sk. mask_batch / bias_batch / dbias_batch point at key start_n of the batch. PACKED: a
     key tile cut by its sequence's end stores its rows inside it to dk_rows / dv_rows (key 0 of
     the sequence and KV head) without TMA. q_start / k_start: the batch's first rows of the flat
-    (FLAT) views.
-    lists: the head's PARTIAL and FULL lists (num, indices, each's head stride); bias_tma0:
-    (descriptor, the batch's first row, barrier); packed_rows: (dK rows, stride, dV rows,
-    stride) of a packed batch's keys; mask_view /
-    bias_view: (batch base, head stride, head divisor, row stride, column stride); dbias_view:
-    (batch base, head, row, column strides); MASK_FORM / BIAS_FORM (given, by TMA, rows shared,
-    columns shared)."""
-    part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh, stride_fih = \
-        lists
-    bias_desc, bias_row0, bias_ready = bias_tma0
-    dk_rows, stride_dkm, dv_rows, stride_dvm = packed_rows
-    mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn = mask_view
-    bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn = bias_view
-    dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
-    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
-    HAS_MASK: gl.constexpr = MASK_FORM[0]
-    MASK_TMA: gl.constexpr = MASK_FORM[1]
-    MASK_ROWS_SHARED: gl.constexpr = MASK_FORM[2]
-    MASK_COLS_SHARED: gl.constexpr = MASK_FORM[3]
-    HAS_BIAS: gl.constexpr = BIAS_FORM[0]
-    BIAS_TMA: gl.constexpr = BIAS_FORM[1]
-    BIAS_ROWS_SHARED: gl.constexpr = BIAS_FORM[2]
-    BIAS_COLS_SHARED: gl.constexpr = BIAS_FORM[3]
+    (FLAT) views; bias_row0: the batch's first row of the bias's TMA descriptor.
+    program: the values and buffers both consumers take, as the kernel packs them; dq_smem: this
+    consumer's dQ staging. group and the stride tuples are the launch's (`_bwd_hopper_kernel`),
+    passed as the kernel takes them: Triton makes a launch's scalars of 1 constexprs, which a
+    tuple assigned in the kernel turns into tensors, captures of the partitions (a group of 1,
+    a head divisor of 1 then divide at run time: the D128 backward's SASS changed).
+    MASK_FORM / BIAS_FORM: `ElementForm`s."""
+    (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
+     kv_ready, q_ready, do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
+     start_n, first_m, first_full, last_full, end_m, num_m_tiles, seqlen_q, seqlen_k, diag,
+     diag_left, qk_scale_log2, softmax_scale, lists, mask_batch, bias_batch, dbias_batch,
+     mask_smem, bias_desc, bias_row0, bias_ready, rows_smem, lens_rows, dk_rows,
+     dv_rows) = program
+    _, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
+    _, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
+    _, stride_dbh, stride_dbm, stride_dbn = dbias_strides
+    stride_dkm, _ = dk_strides
+    stride_dvm, _ = dv_strides
     HALF_N: gl.constexpr = BLOCK_N // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -585,8 +565,7 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
     for h in range(group):
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
-            h, part_num, part_list, full_num, full_list, stride_pnh, stride_pih, stride_fnh,
-            stride_fih, first_m, end_m, EXPLICIT)
+            h, lists, list_strides, first_m, end_m, EXPLICIT)
         if EXPLICIT:
             num_masked = num_part
             whole_end = num_steps
@@ -600,18 +579,19 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
         mask_cols = mask_batch + (head // mask_head_div).to(gl.int64) * stride_mh
         bias_cols = bias_batch + (head // bias_head_div).to(gl.int64) * stride_bh
         dbias_cols = dbias_batch + head.to(gl.int64) * stride_dbh
-        if DBIAS and not BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
+        if DBIAS and not BIAS_FORM.rows_shared and not BIAS_FORM.cols_shared:
             _zero_hidden_tiles(dbias_cols, stride_dbm, stride_dbn, num_part, head_part,
                                head_full, num_steps, first, num_m_tiles, seqlen_q,
                                seqlen_k - key0, EXPLICIT, BLOCK_M, HALF_N)
         # bias rows (batch, head, query) flattened, as the TMA descriptor sees them
         bias_row = bias_row0 + (head // bias_head_div) * seqlen_q
         head_bias = 0
-        if HAS_BIAS and BIAS_ROWS_SHARED:
+        if BIAS_FORM.given and BIAS_FORM.rows_shared:
             # a bias constant over queries: this head's [BN/2, 1] once, not a load per step
             head_bias = load_pair_tile(bias_cols, keys - key0, keys - key0, stride_bn, 0,
-                                       seqlen_k - key0, 1, BIAS_COLS_SHARED, True, EVEN_N, True)
-        if BIAS_TMA:
+                                       seqlen_k - key0, 1, BIAS_FORM.cols_shared, True, EVEN_N,
+                                       True)
+        if BIAS_FORM.tma:
             # the head's first tile from the list itself: from the producer, its copy would
             # wait for the step's q to land (once per head, outside the loop of steps)
             first_m_of_head = first + tile_at(0, num_part, head_part, head_full, EXPLICIT)
@@ -632,13 +612,10 @@ def _key_gradients(dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_s
                     (mask_cols, stride_mm, stride_mn), (bias_cols, stride_bm, stride_bn),
                     (dbias_cols, stride_dbm, stride_dbn), (bias_desc, bias_row, bias_ready),
                     head_bias, lens_rows, run == 0 or (run == 2 and not EXPLICIT), run != 1,
-                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER,
-                    (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-                    (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS,
-                    P_ROUNDING,
-                    EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT,
-                    s_layout, dq_layout)
-        if DBIAS and BIAS_ROWS_SHARED and not BIAS_COLS_SHARED:
+                    HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, MASK_FORM, BIAS_FORM, DBIAS,
+                    DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N, CONSUMER, BLOCK_M, HALF_N,
+                    HEAD_DIM, NUM_BUF, NUM_DS, FLAT, s_layout, dq_layout)
+        if DBIAS and BIAS_FORM.rows_shared and not BIAS_FORM.cols_shared:
             # a key bias: the sum over this head's queries, in the head's own slot
             gl.store(dbias_cols + (keys - key0) * stride_dbn,
                      dbias_keys.to(dbias_cols.dtype.element_ty), mask=keys < seqlen_k)
@@ -721,27 +698,36 @@ def key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group, BLOCK_N:
 
 @gluon.jit
 def _bwd_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, seqlen_q, seqlen_k,
-    num_heads_k, group, delta_row0, diag_offset, window_left, window_right, qk_scale_log2,
-    softmax_scale, num_pairs, pairs_per_group, QNum, QIdx, FullQNum, FullQIdx,
-    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div, mask_desc, mask_batch_rows,
-    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div, bias_desc, bias_batch_rows,
-    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn, RowLens, stride_rlb, CuSeqlensQ,
-    CuSeqlensK, DK, stride_dkm, stride_dkh, DV, stride_dvm, stride_dvh,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, stats_desc, shape, window, scales,
+    pairs, QNum, QIdx, FullQNum, FullQIdx, list_strides, Mask, mask_layout, mask_desc,
+    mask_batch_rows, Bias, bias_layout, bias_desc, bias_batch_rows, DBias, dbias_strides, RowLens,
+    stride_rlb, CuSeqlensQ, CuSeqlensK, DK, dk_strides, DV, dv_strides,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-    MASK_COLS_SHARED: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
-    BIAS_COLS_SHARED: gl.constexpr, DBIAS: gl.constexpr, DBIAS_FROM_DS: gl.constexpr,
-    P_ROUNDING: gl.constexpr,
-    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
+    MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, DBIAS: gl.constexpr,
+    DBIAS_FROM_DS: gl.constexpr, P_ROUNDING: gl.constexpr, EVEN_M: gl.constexpr,
+    EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_DS: gl.constexpr, FLAT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
+    """Tensors and descriptors are arguments of their own (call plans replay a launch by setting
+    them); their scalars come in tuples, in the order the launcher flattens: shape (Sq, Sk, KV
+    heads, group, B * H: delta's first row in the stats), window (diag offset, left, right),
+    scales (qk_scale_log2, softmax_scale), pairs (`key_tile_grid`'s (batch, KV head) pairs and
+    pairs per group), list_strides ((batch, head, key tile) of the transposed lists' num,
+    indices, full num, full indices), mask_layout / bias_layout (batch, head, row, column
+    strides, head divisor), dbias_strides (batch, head, row, column), dk_strides / dv_strides
+    (row, head). MASK_FORM / BIAS_FORM: `ElementForm`s. The partitions take these tuples as
+    they come (`_key_gradients`); what the kernel computes with is unpacked here."""
+    seqlen_q, seqlen_k, num_heads_k, group, _ = shape
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softmax_scale = scales
+    num_pairs, pairs_per_group = pairs
+    stride_mb, _, _, stride_mn, _ = mask_layout
+    stride_bb, _, _, stride_bn, _ = bias_layout
+    stride_dbb, _, _, stride_dbn = dbias_strides
+    stride_dkm, stride_dkh = dk_strides
+    stride_dvm, stride_dvh = dv_strides
     tile_n, off_b, off_hk = key_tile_program(seqlen_k, num_heads_k, num_pairs, pairs_per_group,
                                              BLOCK_N, LONGEST_FIRST)
     start_n = tile_n * BLOCK_N
@@ -777,10 +763,8 @@ def _bwd_hopper_kernel(
         first_full = end_m  # keys past Sk in every tile
         last_full = end_m
     # the transposed lists of the group's first head (per-head strides in the partitions)
-    part_num, part_list, full_num, full_list = schedule_rows(
-        QNum, QIdx, FullQNum, FullQIdx, off_b, off_hk * group, tile_n,
-        stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-        stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin)
+    lists = schedule_rows(QNum, QIdx, FullQNum, FullQIdx, off_b, off_hk * group, tile_n,
+                          *list_strides)
     # int64: batch / key offsets of a (B, H, Sq, Sk) mask or bias pass 2**31 elements
     mask_batch = Mask + off_b.to(gl.int64) * stride_mb + start_n.to(gl.int64) * stride_mn
     bias_batch = Bias + off_b.to(gl.int64) * stride_bb + start_n.to(gl.int64) * stride_bn
@@ -801,7 +785,7 @@ def _bwd_hopper_kernel(
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + stats_desc.block_type.shape,
                                            stats_desc.layout)
     # each buffered query tile's mask, a [BM, BN/2] tile per consumer
-    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA)
+    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_FORM.tma)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                    q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_DS, BLOCK_N, BLOCK_M], ds_layout)
@@ -833,55 +817,38 @@ def _bwd_hopper_kernel(
     # initialised only where used: Triton gives an unused barrier's bytes to warp_specialize's
     # captures, and an H100 time-sliced between processes then handed some consumer warps the
     # barrier's state for a loop bound (a hang: docs/perf/faults.md)
-    if BIAS_TMA:
+    if BIAS_FORM.tma:
         for b in gl.static_range(4):
             mbarrier.init(bias_ready.index(b), count=1)
 
+    # the values and buffers the consumers (program) and the producer (loads) take, packed once.
+    # The constexprs stay out, and so do the launch's scalars the partitions take (group:
+    # shape[3], heads: shape[2] * shape[3], delta's first row: shape[4]; the stride tuples), which
+    # go as the kernel takes them (`_key_gradients`)
+    program = (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+               ds_smem, kv_ready, q_ready, do_ready, qdo_free, ds_ready, kv_done, off_b, q_start,
+               k_start, off_hk, start_n, first_m, first_full, last_full, end_m, num_m_tiles,
+               seqlen_q, seqlen_k, diag, diag_left, qk_scale_log2, softmax_scale, lists,
+               mask_batch, bias_batch, dbias_batch, mask_smem, bias_desc,
+               off_b * bias_batch_rows, bias_ready, rows_smem, lens_rows, dk_rows, dv_rows)
+    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
+             lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b, q_start, k_start,
+             off_hk, start_n, first_m, end_m, seqlen_q, lists, mask_desc, mask_smem,
+             off_b * mask_batch_rows, rows_smem)
     gl.warp_specialize([
-        (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
-                          k_smem, v_smem, ds_smem, dq_smem0, kv_ready, q_ready,
-                          do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
-                          start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
-                          seqlen_q, seqlen_k,
-                          diag, diag_left, qk_scale_log2, softmax_scale,
-                          (part_num, part_list, full_num, full_list, stride_qnh, stride_qih,
-                           stride_gnh, stride_gih),
-                          (mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn),
-                          (bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn),
-                          (dbias_batch, stride_dbh, stride_dbm, stride_dbn), mask_smem,
-                          (bias_desc, off_b * bias_batch_rows, bias_ready), rows_smem, lens_rows,
-                          (dk_rows, stride_dkm, dv_rows, stride_dvm), 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
-                          ROW_ORDER, PACKED,
-                          (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-                          (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
-                          BLOCK_M,
-                          BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
-        (_key_gradients, (dq_desc, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem,
-                          k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready,
-                          do_ready, qdo_free, ds_ready, kv_done, off_b, q_start, k_start, off_hk,
-                          start_n, first_m, first_full, last_full, end_m, num_m_tiles, group,
-                          seqlen_q, seqlen_k,
-                          diag, diag_left, qk_scale_log2, softmax_scale,
-                          (part_num, part_list, full_num, full_list, stride_qnh, stride_qih,
-                           stride_gnh, stride_gih),
-                          (mask_batch, stride_mh, mask_head_div, stride_mm, stride_mn),
-                          (bias_batch, stride_bh, bias_head_div, stride_bm, stride_bn),
-                          (dbias_batch, stride_dbh, stride_dbm, stride_dbn), mask_smem,
-                          (bias_desc, off_b * bias_batch_rows, bias_ready), rows_smem, lens_rows,
-                          (dk_rows, stride_dkm, dv_rows, stride_dvm), 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
-                          ROW_ORDER, PACKED,
-                          (HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-                          (HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DBIAS, DBIAS_FROM_DS, P_ROUNDING, EVEN_M, EVEN_N,
-                          BLOCK_M,
-                          BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS, FLAT)),
-        (_load_q_do, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
-                      v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, off_b,
-                      q_start, k_start, off_hk, num_heads_k * group, delta_row0, start_n,
-                      first_m, end_m, group, seqlen_q, part_num, part_list, full_num, full_list,
-                      stride_qnh, stride_qih, stride_gnh, stride_gih, mask_desc, mask_smem,
-                      off_b * mask_batch_rows, mask_head_div, rows_smem, BLOCK_M,
-                      BLOCK_N // 2, HEAD_DIM,
-                      NUM_BUF, FLAT, EXPLICIT, MASK_TMA)),
+        (_key_gradients, (program, dq_smem0, shape[3], list_strides, mask_layout, bias_layout,
+                          dbias_strides, dk_strides, dv_strides, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          ROW_ORDER, PACKED, MASK_FORM, BIAS_FORM, DBIAS, DBIAS_FROM_DS,
+                          P_ROUNDING, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS,
+                          FLAT)),
+        (_key_gradients, (program, dq_smem1, shape[3], list_strides, mask_layout, bias_layout,
+                          dbias_strides, dk_strides, dv_strides, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                          ROW_ORDER, PACKED, MASK_FORM, BIAS_FORM, DBIAS, DBIAS_FROM_DS,
+                          P_ROUNDING, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, NUM_DS,
+                          FLAT)),
+        (_load_q_do, (loads, shape[2] * shape[3], shape[4], shape[3], list_strides,
+                      mask_layout[4], BLOCK_M, BLOCK_N // 2, HEAD_DIM, NUM_BUF, FLAT, EXPLICIT,
+                      MASK_FORM)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1020,26 +987,28 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         head_dim, args.has_left, args.has_right, num_heads // num_heads_k,
         pairs_per_group if longest_first else None,
         bias is not None and bias.spans_queries_and_keys)
+    # (tensor, its (batch, head, row, column) strides, head divisor)
+    mask_operands = mask.operands() if mask is not None else unused
+    bias_operands = bias.operands() if bias is not None else unused
     launch(_bwd_hopper_kernel, grid,
         descriptor(q, cfg.block_m, flat), descriptor(k, half_n, flat),
         descriptor(v, half_n, flat), descriptor(dout, cfg.block_m, flat),
         descriptor(dq_sum, cfg.block_m, flat, head_dim // 4), descriptor(dk, half_n, flat),
-        descriptor(dv, half_n, flat), stats_desc, seqlen_q, seqlen_k, num_heads_k,
-        num_heads // num_heads_k, batch * num_heads, seqlen_k - seqlen_q, args.window_left,
-        args.window_right,
-        args.qk_scale_log2, args.softmax_scale, num_pairs, pairs_per_group, *lists,
-        *(mask.operands() if mask is not None else unused),
-        *(mask_tma if mask_tma is not None else (stats_desc, 0)),
-        *(bias.operands() if bias is not None else unused),
-        *(bias_tma if bias_tma is not None else (stats_desc, 0)),
-        *((dbias[0], *dbias[1]) if dbias is not None else unused[:5]),
+        descriptor(dv, half_n, flat), stats_desc,
+        (seqlen_q, seqlen_k, num_heads_k, num_heads // num_heads_k, batch * num_heads),
+        (seqlen_k - seqlen_q, args.window_left, args.window_right),
+        (args.qk_scale_log2, args.softmax_scale), (num_pairs, pairs_per_group), *lists[:4],
+        lists[4:], mask_operands[0], mask_operands[1:],
+        *(mask_tma if mask_tma is not None else (stats_desc, 0)), bias_operands[0],
+        bias_operands[1:], *(bias_tma if bias_tma is not None else (stats_desc, 0)),
+        *((dbias[0], dbias[1]) if dbias is not None else (unused[0], unused[1:5])),
         *row_lens_operands(row_lens, q.device)[:2], *packed_operands(packed, q.device),
-        dk, *row_strides(dk)[1:], dv, *row_strides(dv)[1:],
+        dk, row_strides(dk)[1:], dv, row_strides(dv)[1:],
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, LONGEST_FIRST=longest_first,
         EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None,
         PACKED=packed is not None,
-        **Elementwise.kernel_flags(mask, bias), MASK_TMA=mask_tma is not None,
-        BIAS_TMA=bias_tma is not None,
+        MASK_FORM=ElementForm.of(mask, mask_tma is not None),
+        BIAS_FORM=ElementForm.of(bias, bias_tma is not None),
         DBIAS=dbias is not None,
         # a (Sq, Sk) gradient in the inputs' dtype is the dS tile dQ reads: stored from there
         DBIAS_FROM_DS=dbias is not None and bias.spans_queries_and_keys

@@ -1,10 +1,10 @@
-"""Pieces shared by the Gluon kernels (fwd_hopper.py, bwd_hopper.py, bwd_hopper_wide.py): TMA
-descriptors and tile loads, the producer's buffer rings and list walkers, values handed from the
-producer to the consumers, rows gathered and scattered in length order, flat views of packed
-sequences, and whether the Gluon kernels can run a call at all (`gluon_refusal`)."""
+"""Pieces the Gluon kernels (fwd_hopper.py, bwd_hopper.py, bwd_hopper_wide.py) share: TMA tile loads
+and descriptors, producer rings, list walkers, hand-overs, rows gathered / scattered in length
+order, packed flat views, mask / bias forms (`ElementForm`), whether the kernels take a call."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -259,6 +259,22 @@ def by_tma(elementwise: Elementwise | None, block_rows: int, block_cols: int,
     desc = tensor_descriptor(rows, list(rows.shape), list(rows.stride()), block,
                              shared_layout(block, dtype))
     return desc, t.shape[1] * t.shape[2] if t.shape[0] > 1 else 0
+
+
+class ElementForm(NamedTuple):
+    """How a Gluon kernel takes a mask or bias: a constexpr whose fields the kernels read by name
+    (`MASK_FORM.tma`; a field is a Python bool there, so not an item of a tuple built in a
+    kernel: pass the form)."""
+    given: bool
+    tma: bool  # its tiles come from the producer, by TMA
+    rows_shared: bool  # one row for every query
+    cols_shared: bool  # one column for every key
+
+    @staticmethod
+    def of(elementwise: Elementwise | None, tma: bool = False) -> "ElementForm":
+        if elementwise is None:
+            return ElementForm(False, False, False, False)
+        return ElementForm(True, tma, elementwise.rows_shared, elementwise.cols_shared)
 
 
 def flat_launch(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,

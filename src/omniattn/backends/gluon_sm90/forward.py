@@ -29,9 +29,9 @@ from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, pac
                                   row_lens_operands, row_strides, tma_compatible)
 from ...kernels.sizes import cdiv
 from ...runtime.launch import launch
-from .blocks import (by_tma, copy_tile, descriptor, flat_launch, flat_rows, flat_view_bounds,
-                     gather_rows, gluon_refusal, hand_over, handed, load_tile, producer_tiles,
-                     scatter_rows, tile_at)
+from .blocks import (ElementForm, by_tma, copy_tile, descriptor, flat_launch, flat_rows,
+                     flat_view_bounds, gather_rows, gluon_refusal, hand_over, handed, load_tile,
+                     producer_tiles, scatter_rows, tile_at)
 from .configs import hopper_forward_config
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -53,14 +53,15 @@ def _next_key_start(step, first_tile, num_tiles, next_tiles, buf, EXPLICIT: gl.c
 @gluon.jit
 def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              NUM_BUF: gl.constexpr, FLAT: gl.constexpr, EXPLICIT: gl.constexpr,
-             MASK_TMA: gl.constexpr, BIAS_TMA: gl.constexpr, ROW_ORDER: gl.constexpr,
+             MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, ROW_ORDER: gl.constexpr,
              CONSUMERS: gl.constexpr):
     """Producer: each consumer's query rows once (not with ROW_ORDER: the consumers gather theirs),
     then the K and V tiles of step j (key tile first_tile + j of an implicit schedule) into buffer j
     % NUM_BUF, each as soon as every consumer released the one of the step that used the buffer
-    before (kv_free: K's barriers, then V's; K goes back a step earlier). MASK_TMA: the masked
-    steps' mask tiles too, a [BM, BN] box per consumer arriving with K (mask rows (batch, head,
-    query) flattened: mask_row is the program's first); BIAS_TMA: every step's bias tiles, likewise.
+    before (kv_free: K's barriers, then V's; K goes back a step earlier). A mask by TMA
+    (MASK_FORM.tma): the masked steps' mask tiles too, a [BM, BN] box per consumer arriving with
+    K (mask rows (batch, head, query) flattened: mask_row is the program's first); a bias by TMA:
+    every step's bias tiles, likewise.
     Explicit schedules: the next step's key tile into next_tiles beside the buffer, before K's
     arrival (the list entry read a step ahead). q_start / k_start: the batch's first row of the
     flat (FLAT) descriptors. loads: the program's values and buffers, as the kernel packs them."""
@@ -82,11 +83,11 @@ def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
         mbarrier.wait(kv_free.index(buf), ((j // NUM_BUF) & 1) ^ 1)
         if EXPLICIT:
             hand_over(next_tiles.index(buf), next_tile)
-        if MASK_TMA or BIAS_TMA:
-            k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_TMA * CONSUMERS * \
+        if MASK_FORM.tma or BIAS_FORM.tma:
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes + BIAS_FORM.tma * CONSUMERS * \
                 bias_desc.block_type.nbytes
             # one expect per barrier and phase: it arrives, so all copies' bytes go in it
-            if MASK_TMA:
+            if MASK_FORM.tma:
                 # the consumers apply the mask in the PARTIAL steps and always in the first one
                 with_mask = (j < num_part) | (j == 0)
                 mask_bytes: gl.constexpr = CONSUMERS * mask_desc.block_type.nbytes
@@ -99,7 +100,7 @@ def _load_kv(loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.c
                         mask_smem.index(buf * CONSUMERS + c), pred=with_mask)
             else:
                 mbarrier.expect(k_ready.index(buf), k_bytes)
-            if BIAS_TMA:
+            if BIAS_FORM.tma:
                 for c in gl.static_range(CONSUMERS):
                     tma.async_copy_global_to_shared(
                         bias_desc, [bias_row + c * BLOCK_M, start_n], k_ready.index(buf),
@@ -125,18 +126,18 @@ def _key_end(row, seqlen_k, diag_offset, window_right, HAS_RIGHT: gl.constexpr):
 
 
 @gluon.jit
-def _load_elementwise(rows_base, start_n, rows_left, cols_left, stride_m, stride_n,
-                      layout: gl.constexpr, ROWS_SHARED: gl.constexpr, COLS_SHARED: gl.constexpr,
-                      EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
-    """A mask's / bias's [BM, BN] tile at key start_n (rows_base: its row 0, key 0) in the
-    scores' layout; a dim it broadcasts is loaded once ([1, BN], [BM, 1] or a scalar).
-    Elements past Sq / Sk read 0."""
+def _load_elementwise(view, start_n, rows_left, cols_left, layout: gl.constexpr,
+                      FORM: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A mask's / bias's [BM, BN] tile at key start_n (view: (its row 0, key 0; row stride;
+    column stride)) in the scores' layout; a dim it broadcasts (FORM) is loaded once ([1, BN],
+    [BM, 1] or a scalar). Elements past Sq / Sk read 0."""
+    rows_base, stride_m, stride_n = view
     base = rows_base + start_n.to(gl.int64) * stride_n
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     return load_pair_tile(base, rows, cols, stride_m, stride_n, rows_left, cols_left,
-                          ROWS_SHARED, COLS_SHARED, EVEN_M, EVEN_N)
+                          FORM.rows_shared, FORM.cols_shared, EVEN_M, EVEN_N)
 
 
 @gluon.jit
@@ -201,23 +202,20 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full, diag_offset, w
 
 
 @gluon.jit
-def _elementwise_tiles(start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
-                       rows_left, cols_left, layout: gl.constexpr, MASK: gl.constexpr,
-                       MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
-                       BIAS_COLS_SHARED: gl.constexpr, EVEN_M: gl.constexpr,
-                       EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(keep, bias) tiles of the key tile at start_n that a step reads (0 for one it does not)."""
+def _elementwise_tiles(start_n, mask_view, bias_view, rows_left, cols_left, layout: gl.constexpr,
+                       MASKED: gl.constexpr, MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr,
+                       EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
+    """(keep, bias) tiles of the key tile at start_n that a step loads itself (0 for one it does
+    not): the mask in MASKED steps, the bias in every one, each unless the producer's (by TMA)."""
     keep = 0
     bias = 0
-    if MASK:
-        keep = _load_elementwise(mask_rows, start_n, rows_left, cols_left, stride_mm, stride_mn,
-                                 layout, MASK_ROWS_SHARED, MASK_COLS_SHARED, EVEN_M, EVEN_N,
-                                 BLOCK_M, BLOCK_N)
-    if HAS_BIAS:
-        bias = _load_elementwise(bias_rows, start_n, rows_left, cols_left, stride_bm, stride_bn,
-                                 layout, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M, EVEN_N,
-                                 BLOCK_M, BLOCK_N)
+    if MASKED and MASK_FORM.given and not MASK_FORM.tma:
+        keep = _load_elementwise(mask_view, start_n, rows_left, cols_left, layout, MASK_FORM,
+                                 EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
+    if BIAS_FORM.given and not BIAS_FORM.tma:
+        bias = _load_elementwise(bias_view, start_n, rows_left, cols_left, layout, BIAS_FORM,
+                                 EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
     return keep, bias
 
 
@@ -238,25 +236,23 @@ def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr)
 @gluon.jit
 def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-            HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-            MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-            BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
-            EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-            FLAT: gl.constexpr, CONSUMERS: gl.constexpr):
+            MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, EVEN_M: gl.constexpr,
+            EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
+            CONSUMERS: gl.constexpr):
     """Consumer warpgroup: rows [start_m + CONSUMER * BM, + BM) over its key tiles, each through
     `_overlapped_tile`. Explicit schedules: the program's PARTIAL tiles (predicate and mask),
     then its FULL ones. Implicit (step j: key tile first_tile + j): the tiles cut by the left
     edge of this consumer's rows' windows, those every row sees whole, then those cut on the
     right; a tile only other consumers need is still released once loaded, so the
     producer's ring keeps turning. This consumer's first step is always treated as PARTIAL.
-    MASK_TMA / BIAS_TMA: the mask / bias tiles come from the producer (mask_smem / bias_smem),
-    else each consumer loads its own. Explicit schedules read each step's next key tile from
-    the producer (next_tiles) once the step's K is there. ROW_ORDER (per-row key lengths
-    alone, rows in length order, longest first; lens_rows / order_rows: the batch's sorted
-    lengths and caller rows): keys [0, the last row's length) are seen whole, none past the
-    first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows (each
-    at row 0 of the (batch, head)). PACKED: a tile cut by the sequence's end stores its rows
+    MASK_FORM / BIAS_FORM (`ElementForm`): by TMA, the mask / bias tiles come from the producer
+    (mask_smem / bias_smem), else each consumer loads its own. Explicit schedules read each
+    step's next key tile from the producer (next_tiles) once the step's K is there. ROW_ORDER
+    (per-row key lengths alone, rows in length order, longest first; lens_rows / order_rows: the
+    batch's sorted lengths and caller rows): keys [0, the last row's length) are seen whole, none
+    past the first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows
+    (each at row 0 of the (batch, head)). PACKED: a tile cut by the sequence's end stores its rows
     inside it to o_rows (TMA would write the next sequence's rows too). lse_rows_base: the
     (batch, head)'s lse at row 0; q_start: the batch's first row of the flat (FLAT) view. common:
     the program's values and buffers, as the kernel packs them (one tuple for every consumer)."""
@@ -319,10 +315,9 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
         start_n = (first_tile + tile_at(first, num_part, part_list, full_list, EXPLICIT)) \
             * BLOCK_N
         keep, bias = _elementwise_tiles(
-            start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-            seqlen_k - start_n, s_layout, HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
-            MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-            EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
+            start_n, (mask_rows, stride_mm, stride_mn), (bias_rows, stride_bm, stride_bn),
+            rows_left, seqlen_k - start_n, s_layout, True, MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N,
+            BLOCK_M, BLOCK_N)
         first_buf = first % NUM_BUF
         if not ROW_ORDER:
             mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -331,9 +326,9 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
                                  BLOCK_N)
         s = warpgroup_mma(q, k_smem.index(first_buf).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
-        if HAS_MASK and MASK_TMA:
+        if MASK_FORM.given and MASK_FORM.tma:
             keep = mask_smem.index(CONSUMER).load(s_layout)
-        if BIAS_TMA:
+        if BIAS_FORM.tma:
             bias = bias_smem.index(first_buf * CONSUMERS + CONSUMER).load(s_layout)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(kv_free.index(first_buf))
@@ -347,8 +342,8 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
                 step0_right = seqlen_q + seqlen_k
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                            diag_offset, step0_left, step0_right, qk_scale_log2,
-                                           keep, bias, KEYS, HAS_MASK, HAS_BIAS, HAS_LEFT,
-                                           HAS_RIGHT, EXPLICIT, BLOCK_N)
+                                           keep, bias, KEYS, MASK_FORM.given, BIAS_FORM.given,
+                                           HAS_LEFT, HAS_RIGHT, EXPLICIT, BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         # three runs of steps. Explicit: the PARTIAL ones, then the FULL ones; implicit: the
         # tiles cut by the windows' left edges, those seen whole, those cut on the right or by
@@ -366,13 +361,11 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
                         j, next_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i,
                         l_i, s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
                         window_left, window_right, qk_scale_log2, first_tile, num_tiles,
-                        mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn,
+                        (mask_rows, stride_mm, stride_mn), (bias_rows, stride_bm, stride_bn),
                         mask_smem, bias_smem, next_tiles, CONSUMER, EXPLICIT, run != 1,
-                        (run != 1 and KEYS) or (EXPLICIT and not EVEN_N), HAS_MASK, MASK_TMA,
-                        MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS,
-                        BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, HAS_LEFT and run != 1,
-                        HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        NUM_BUF, CONSUMERS, s_layout, o_layout, p_layout)
+                        (run != 1 and KEYS) or (EXPLICIT and not EVEN_N), MASK_FORM, BIAS_FORM,
+                        HAS_LEFT and run != 1, HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, NUM_BUF, CONSUMERS, s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
@@ -414,14 +407,10 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
 @gluon.jit
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                      s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
-                     window_left, window_right, qk_scale_log2, first_tile, num_tiles, mask_rows,
-                     stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem,
-                     next_tiles, CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr,
-                     MASKED: gl.constexpr,
-                     KEYS: gl.constexpr, HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr,
-                     MASK_ROWS_SHARED: gl.constexpr, MASK_COLS_SHARED: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr, BIAS_ROWS_SHARED: gl.constexpr,
-                     BIAS_COLS_SHARED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                     window_left, window_right, qk_scale_log2, first_tile, num_tiles, mask_view,
+                     bias_view, mask_smem, bias_smem, next_tiles, CONSUMER: gl.constexpr,
+                     EXPLICIT: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr,
+                     MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
@@ -431,13 +420,11 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     to the producer once S_j is done, V_{j-1}'s after its matmul. MASKED: a PARTIAL step (reads
     the mask, applies the KEYS predicate). Returns the next step's key start (explicit: from
     the producer, with K_j), known a step ahead like the mask / bias tiles, whose loads are
-    issued before the waits (MASK_TMA / BIAS_TMA: the producer's tiles are read while the
-    matmuls run)."""
-    keep, bias = _elementwise_tiles(
-        start_n, mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
-        seqlen_k - start_n, s_layout, MASKED and HAS_MASK and not MASK_TMA, MASK_ROWS_SHARED,
-        MASK_COLS_SHARED, HAS_BIAS and not BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED, EVEN_M,
-        EVEN_N, BLOCK_M, BLOCK_N)
+    issued before the waits (by TMA: the producer's tiles are read while the matmuls run).
+    mask_view / bias_view: (row 0 of this consumer at key 0, row stride, column stride)."""
+    keep, bias = _elementwise_tiles(start_n, mask_view, bias_view, rows_left, seqlen_k - start_n,
+                                    s_layout, MASKED, MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N,
+                                    BLOCK_M, BLOCK_N)
     buf = j % NUM_BUF
     prev = (j - 1) % NUM_BUF
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
@@ -450,12 +437,12 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     # the producer's tiles are read while the matmuls run, the mask joined with the bias (one
     # -inf select off the softmax's path: 0.410 against 0.416 ms); a mask the consumer loads
     # itself would be waited for here (0.452 against 0.439)
-    if BIAS_TMA:
+    if BIAS_FORM.tma:
         bias = bias_smem.index(buf * CONSUMERS + CONSUMER).load(s_layout)
-    TERMS: gl.constexpr = MASKED and HAS_MASK and MASK_TMA
+    TERMS: gl.constexpr = MASKED and MASK_FORM.given and MASK_FORM.tma
     if TERMS:
         keep = mask_smem.index(buf * CONSUMERS + CONSUMER).load(s_layout)
-        if HAS_BIAS:
+        if BIAS_FORM.given:
             bias = gl.where(keep != 0, bias.to(gl.float32), float("-inf"))
         else:
             bias = gl.where(keep != 0, 0.0, float("-inf"))
@@ -463,8 +450,9 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.arrive(kv_free.index(buf))  # K_j (and the step's mask / bias tiles, read above)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                        diag_offset, window_left, window_right, qk_scale_log2,
-                                       keep, bias, KEYS, MASKED and HAS_MASK and not TERMS,
-                                       HAS_BIAS or TERMS, HAS_LEFT, HAS_RIGHT, EXPLICIT, BLOCK_N)
+                                       keep, bias, KEYS, MASKED and MASK_FORM.given and not TERMS,
+                                       BIAS_FORM.given or TERMS, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                                       BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(NUM_BUF + prev))
@@ -474,22 +462,30 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
 
 @gluon.jit
 def _fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, KvNum, KvIdx, FullKvNum, FullKvIdx,
-    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim, stride_fnb, stride_fnh,
-    stride_fnm, stride_fib, stride_fih, stride_fim, Mask, stride_mb, stride_mh, stride_mm,
-    stride_mn, mask_head_div, mask_desc, mask_batch_rows, Bias, stride_bb, stride_bh, stride_bm,
-    stride_bn, bias_head_div, bias_desc, bias_batch_rows, seqlen_q, seqlen_k, num_heads, group,
-    diag_offset, window_left, window_right, qk_scale_log2, Q, stride_qb, stride_qm, stride_qh,
-    Out, stride_ob, stride_om, stride_oh, RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
+    q_desc, k_desc, v_desc, o_desc, Lse, lse_strides, KvNum, KvIdx, FullKvNum, FullKvIdx,
+    list_strides, Mask, mask_layout, mask_desc, mask_batch_rows, Bias, bias_layout, bias_desc,
+    bias_batch_rows, shape, window, qk_scale_log2, Q, q_strides, Out, out_strides, RowLens,
+    stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr,
     EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-    HAS_MASK: gl.constexpr, MASK_TMA: gl.constexpr, MASK_ROWS_SHARED: gl.constexpr,
-    MASK_COLS_SHARED: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-    BIAS_ROWS_SHARED: gl.constexpr, BIAS_COLS_SHARED: gl.constexpr,
+    MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr,
     EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
+    """Tensors and descriptors are arguments of their own (call plans replay a launch by setting
+    them); their scalars come in tuples, in the order the launcher flattens: lse_strides (batch,
+    head), list_strides ((batch, head, row) of the lists' num, indices, full num, full indices),
+    mask_layout / bias_layout (batch, head, row, column strides, head divisor), shape (Sq, Sk,
+    heads, group), window (diag offset, left, right), q_strides / out_strides (batch, row, head).
+    MASK_FORM / BIAS_FORM: `ElementForm`s."""
+    stride_lb, stride_lh = lse_strides
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
+    seqlen_q, seqlen_k, num_heads, group = shape
+    diag_offset, window_left, window_right = window
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_ob, stride_om, stride_oh = out_strides
     tile_m = gl.program_id(0)
     if REVERSE_M:
         # causal: the longest rows start first, so the tail of the grid is short work
@@ -505,9 +501,7 @@ def _fwd_hopper_kernel(
         return
     if EXPLICIT:
         part_num, part_list, full_num, full_list = schedule_rows(
-            KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
-            stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-            stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
+            KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m, *list_strides)
         num_part = gl.load(part_num)
         num_tiles = num_part + gl.load(full_num)
         first_tile = 0
@@ -550,8 +544,8 @@ def _fwd_hopper_kernel(
     # releases of each buffer's K (index buf) and V (NUM_BUF + buf)
     kv_free = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
     # each step's mask / bias, a [BM, BN] tile per consumer
-    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_TMA, CONSUMERS)
-    bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_TMA, CONSUMERS)
+    mask_smem = producer_tiles(mask_desc, NUM_BUF, MASK_FORM.tma, CONSUMERS)
+    bias_smem = producer_tiles(bias_desc, NUM_BUF, BIAS_FORM.tma, CONSUMERS)
     # explicit schedules: the key tile of the step after each buffered one, from the producer
     next_tiles = gl.allocate_shared_memory(gl.int32, [NUM_BUF, 1],
                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -582,36 +576,26 @@ def _fwd_hopper_kernel(
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     if CONSUMERS == 3:
         gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 2, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                        EXPLICIT, MASK_TMA, BIAS_TMA, ROW_ORDER, CONSUMERS))],
+                                        EXPLICIT, MASK_FORM, BIAS_FORM, ROW_ORDER, CONSUMERS))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       HAS_MASK, MASK_TMA, MASK_ROWS_SHARED, MASK_COLS_SHARED,
-                                       HAS_BIAS, BIAS_TMA, BIAS_ROWS_SHARED, BIAS_COLS_SHARED,
-                                       EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                        EXPLICIT, MASK_TMA, BIAS_TMA, ROW_ORDER, CONSUMERS))],
+                                        EXPLICIT, MASK_FORM, BIAS_FORM, ROW_ORDER, CONSUMERS))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -684,25 +668,26 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
+    # (tensor, its (batch, head, row, column) strides, head divisor)
+    mask_operands = mask.operands() if mask is not None else unused
+    bias_operands = bias.operands() if bias is not None else unused
     mask_tma = by_tma(mask, block_m, cfg.block_n, 1) if cfg.mask_buffers else None
     bias_tma = by_tma(bias, block_m, cfg.block_n, 2)
     q_desc = descriptor(q, block_m, flat)
     launch(_fwd_hopper_kernel, (n_tiles_m, batch * num_heads),
         q_desc, descriptor(k, cfg.block_n, flat),
         descriptor(v, cfg.block_n, flat), descriptor(out, block_m, flat), lse,
-        *lse_strides(lse), *lists,
-        *(mask.operands() if mask is not None else unused),
-        *(mask_tma if mask_tma is not None else (q_desc, 0)),
-        *(bias.operands() if bias is not None else unused),
-        *(bias_tma if bias_tma is not None else (q_desc, 0)),
-        seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
-        args.window_left, args.window_right, args.qk_scale_log2, q, *row_strides(q), out,
-        *row_strides(out), *row_lens_operands(row_lens, q.device, row_order),
+        lse_strides(lse), *lists[:4], lists[4:], mask_operands[0], mask_operands[1:],
+        *(mask_tma if mask_tma is not None else (q_desc, 0)), bias_operands[0],
+        bias_operands[1:], *(bias_tma if bias_tma is not None else (q_desc, 0)),
+        (seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k),
+        (seqlen_k - seqlen_q, args.window_left, args.window_right), args.qk_scale_log2, q,
+        row_strides(q), out, row_strides(out), *row_lens_operands(row_lens, q.device, row_order),
         *packed_operands(packed, q.device),
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
         EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None, PACKED=packed is not None,
-        **Elementwise.kernel_flags(mask, bias),
-        MASK_TMA=mask_tma is not None, BIAS_TMA=bias_tma is not None,
+        MASK_FORM=ElementForm.of(mask, mask_tma is not None),
+        BIAS_FORM=ElementForm.of(bias, bias_tma is not None),
         EVEN_M=even and seqlen_q % cfg.block_m == 0, EVEN_N=even and seqlen_k % cfg.block_n == 0,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,

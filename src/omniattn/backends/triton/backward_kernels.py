@@ -578,41 +578,19 @@ def _dq_program(
 
 @triton.jit
 def bwd_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    stride_lb, stride_lh,
-    KvNum, KvIdx, FullKvNum, FullKvIdx,
-    stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-    stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
-    QNum, QIdx, FullQNum, FullQIdx,
-    stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-    stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
-    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
-    DBias, stride_dbb, stride_dbh, stride_dbm, stride_dbn,
-    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
-    BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
-    seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m,
-    diag_offset, window_left, window_right, softmax_scale,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_PER_QHEAD: tl.constexpr, DBIAS_TILES_IN_DQ: tl.constexpr,
-    EXPLICIT: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
-    EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
-    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, LENGTH_RANGES: tl.constexpr,
-    ROW_ORDER: tl.constexpr, LONGEST_FIRST: tl.constexpr, DKDV_APART: tl.constexpr,
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, q_strides, k_strides, v_strides, do_strides,
+    dq_strides, dk_strides, dv_strides, lse_strides,
+    KvNum, KvIdx, FullKvNum, FullKvIdx, kv_list_strides,
+    QNum, QIdx, FullQNum, FullQIdx, q_list_strides,
+    Mask, mask_layout, Bias, bias_layout, DBias, dbias_strides,
+    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK, BitSlots, bit_strides, BlockBits,
+    shape, tile_counts, window, softmax_scale, scores, rng,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr,
+    DKDV_TILE: tl.constexpr, DQ_TILE: tl.constexpr, WINDOW_FORM: tl.constexpr,
+    SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr,
+    DBIAS_FORM: tl.constexpr, ROW_LENS_FORM: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, EXPLICIT: tl.constexpr, BITS_FORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
@@ -620,7 +598,57 @@ def bwd_kernel(
     query tile and query head of the KV group). LONGEST_FIRST
     (causal): the program axis is grid axis 1, so the GPU starts every (batch, KV head)'s first
     program before any second one, and dQ programs take their query tiles last to first: the
-    longest run first."""
+    longest run first.
+    Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
+    rest is grouped: the tensors' strides ((batch, row, head) / lse and delta (batch, head)),
+    kv_list_strides / q_list_strides ((b, h, row) of each of the four lists: of key tiles per query
+    tile, which the dQ programs walk / of query tiles per key tile, which the dK/dV programs walk),
+    mask_layout / bias_layout (batch, head, row, column strides, head divisor), dbias_strides
+    (batch, head, row, column), bit_strides (b, h, query block, key block), shape (seqlen_q,
+    seqlen_k, num_heads, group: query heads per KV head), tile_counts (n_tiles_n key tiles,
+    n_tiles_m query tiles), window (diag_offset, left, right), scores (`scores_log2`'s scale and
+    softcap terms), rng (seed, dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ
+    added by the dK/dV programs, no dQ programs, LONGEST_FIRST), DKDV_TILE / DQ_TILE (the dK/dV and
+    the dQ programs' BLOCK_M, BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT),
+    MASK_FORM / BIAS_FORM (given, rows shared, columns shared), DBIAS_FORM (DBIAS, DBIAS_PER_QHEAD,
+    DBIAS_TILES_IN_DQ: a full bias's tiles stored by the dQ programs), ROW_LENS_FORM (HAS_ROW_LENS,
+    LENGTH_RANGES: query ranges from the lengths, ROW_ORDER), BITS_FORM (HAS_BITS, USER_BQ,
+    USER_BK)."""
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn = dbias_strides
+    stride_sb, stride_sh, stride_sq, stride_sk = bit_strides
+    seqlen_q, seqlen_k, num_heads, group = shape
+    n_tiles_n, n_tiles_m = tile_counts
+    diag_offset, window_left, window_right = window
+    rng_seed, dropout_p = rng
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    HEADS_PER_PROGRAM: tl.constexpr = PROGRAMS[0]
+    DKDV_APART: tl.constexpr = PROGRAMS[1]
+    ATOMIC_DQ: tl.constexpr = PROGRAMS[2]
+    LONGEST_FIRST: tl.constexpr = PROGRAMS[3]
+    BLOCK_M1: tl.constexpr = DKDV_TILE[0]
+    BLOCK_N1: tl.constexpr = DKDV_TILE[1]
+    EVEN_M1: tl.constexpr = DKDV_TILE[2]
+    EVEN_N1: tl.constexpr = DKDV_TILE[3]
+    BLOCK_M2: tl.constexpr = DQ_TILE[0]
+    BLOCK_N2: tl.constexpr = DQ_TILE[1]
+    EVEN_M2: tl.constexpr = DQ_TILE[2]
+    EVEN_N2: tl.constexpr = DQ_TILE[3]
+    HAS_LEFT: tl.constexpr = WINDOW_FORM[0]
+    HAS_RIGHT: tl.constexpr = WINDOW_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
+    DBIAS: tl.constexpr = DBIAS_FORM[0]
+    DBIAS_PER_QHEAD: tl.constexpr = DBIAS_FORM[1]
+    DBIAS_TILES_IN_DQ: tl.constexpr = DBIAS_FORM[2]
+    HAS_ROW_LENS: tl.constexpr = ROW_LENS_FORM[0]
+    LENGTH_RANGES: tl.constexpr = ROW_LENS_FORM[1]
+    ROW_ORDER: tl.constexpr = ROW_LENS_FORM[2]
+    HAS_BITS: tl.constexpr = BITS_FORM[0]
+    USER_BQ: tl.constexpr = BITS_FORM[1]
+    USER_BK: tl.constexpr = BITS_FORM[2]
     if LONGEST_FIRST:
         pid = tl.program_id(1)
         off_bhk = tl.program_id(0)
@@ -634,20 +662,21 @@ def bwd_kernel(
     rng_stride = seqlen_k
     rng_head_stride = (seqlen_q + tl.zeros([], tl.int64)) * seqlen_k
     rng_batch_base = off_b.to(tl.int64) * num_heads * rng_head_stride
-    # packed sequences: every row-indexed base moves to this batch's first row (batch strides 0)
+    # packed sequences: every row-indexed base moves to this batch's first row (batch strides 0);
+    # a (batch, row, head) stride tuple's [1] is its row stride
     first_q, seqlen_q, first_k, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b,
                                                            seqlen_q, seqlen_k, VARLEN)
     if VARLEN:
         diag_offset = seqlen_k - seqlen_q
     row0 = first_q.to(tl.int64)
     key0 = first_k.to(tl.int64)
-    Q += row0 * stride_qm
-    DOut += row0 * stride_dom
-    DQ += row0 * stride_dqm
+    Q += row0 * q_strides[1]
+    DOut += row0 * do_strides[1]
+    DQ += row0 * dq_strides[1]
     Lse += row0
     Delta += row0
-    DK += key0 * stride_dkn
-    DV += key0 * stride_dvn
+    DK += key0 * dk_strides[1]
+    DV += key0 * dv_strides[1]
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh + key0 * stride_kn
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh + key0 * stride_vn
     mask_batch = Mask + off_b.to(tl.int64) * stride_mb + row0 * stride_mm
@@ -670,22 +699,16 @@ def bwd_kernel(
                 _dkdv_program(
                     tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
                     off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
-                    (stride_qb, stride_qm, stride_qh), stride_kn, stride_vn,
-                    (stride_dob, stride_dom, stride_doh), (stride_dkb, stride_dkn, stride_dkh),
-                    (stride_dvb, stride_dvn, stride_dvh), (stride_lb, stride_lh),
-                    (stride_dqb, stride_dqm, stride_dqh), (QNum, QIdx, FullQNum, FullQIdx),
-                    (stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-                     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin),
+                    q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
+                    lse_strides, dq_strides, (QNum, QIdx, FullQNum, FullQIdx), q_list_strides,
                     (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),
                     (bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div),
                     (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
                     (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
                     seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
-                    (qk_scale_log2, softcap_inv_scaled, softcap_log2),
-                    (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
+                    scores, (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
                     HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-                    (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT,
+                    MASK_FORM, BIAS_FORM, HAS_ROW_LENS, DROPOUT,
                     DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ,
                     DBIAS_PER_QHEAD, EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK,
                     DOT_PRECISION, ATOMIC_DQ, LENGTH_RANGES, ROW_ORDER,
@@ -699,22 +722,16 @@ def bwd_kernel(
             return
         _dq_program(
             tile_m, off_b, off_hk * group + work // n_tiles_m,
-            Q, DOut, Lse, Delta, DQ, k_base, v_base, (stride_qb, stride_qm, stride_qh),
-            stride_kn, stride_vn, (stride_dob, stride_dom, stride_doh),
-            (stride_dqb, stride_dqm, stride_dqh), (stride_lb, stride_lh),
-            (KvNum, KvIdx, FullKvNum, FullKvIdx),
-            (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-             stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim),
+            Q, DOut, Lse, Delta, DQ, k_base, v_base, q_strides, stride_kn, stride_vn, do_strides,
+            dq_strides, lse_strides, (KvNum, KvIdx, FullKvNum, FullKvIdx), kv_list_strides,
             (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),
             (bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div),
             (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
             (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
             seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
-            (qk_scale_log2, softcap_inv_scaled, softcap_log2),
-            (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
+            scores, (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-            (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT,
+            MASK_FORM, BIAS_FORM, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
             DBIAS_TILES_IN_DQ, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
             DOT_PRECISION, LENGTH_RANGES, ROW_ORDER)

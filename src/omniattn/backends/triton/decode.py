@@ -7,15 +7,12 @@ import torch
 
 from ...kernels.elementwise import Elementwise
 from ...kernels.schedule import KernelArgs
-from ...kernels.sequences import PagedKeys, lse_shape, lse_strides, placeholder, row_strides
+from ...kernels.sequences import PagedKeys, lse_strides, placeholder, row_strides
 from ...kernels.sizes import cdiv, next_power_of_2, padded_head_dim
 from ...runtime.launch import launch
 from ...runtime.switches import interpreting, sm_count
 from .configs import DECODE_COMBINE_WARPS, decode_config, decode_splits
 from .decode_kernels import decode_combine_kernel, decode_split_kernel
-
-DECODE_FORWARD = "fwd_decode"  # the kernel a plan names
-
 
 def visible_key_span(args: KernelArgs, seqlen_q: int, seqlen_k: int) -> int:
     """The most keys one (batch, KV head) row tile sees: Sk, or a window's width."""
@@ -33,23 +30,19 @@ def _elementwise_operands(t: Elementwise | None, group: int, device) -> tuple:
     return t.tensor, (*t.strides, t.head_div), (True, t.rows_shared and t.head_div % group == 0)
 
 
-def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                     mask: Elementwise | None = None, bias: Elementwise | None = None,
-                     row_lens: torch.Tensor | None = None, paged: PagedKeys | None = None,
-                     num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D); k/v (B, Sk, Hk, D), or pages (num_pages, page_size, Hk, D) with `paged`
-    (its block table, seqused_k) -> out like q, lse (B, H, Sq) float32 (natural log; 0 and -inf
-    on rows that see no key). mask / bias: (B|1, Hm, Sq|1, Sk|1) over the keys a sequence can
-    hold; row_lens int32 (B, Sq). num_splits: programs per (batch, KV head, row tile) along the
-    keys, 0 = configs.decode_splits's choice."""
+def triton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                  out: torch.Tensor, lse: torch.Tensor, mask: Elementwise | None = None,
+                  bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
+                  paged: PagedKeys | None = None, num_splits: int = 0) -> None:
+    """Writes out (like q) and lse ((B, H, Sq) float32, contiguous rows) of q (B, Sq, H, D)
+    over k/v (B, Sk, Hk, D), or pages (num_pages, page_size, Hk, D) with `paged` (its block
+    table, seqused_k); 0 and -inf on rows that see no key. mask / bias: (B|1, Hm, Sq|1, Sk|1)
+    over the keys a sequence can hold; row_lens int32 (B, Sq). num_splits: programs per (batch,
+    KV head, row tile) along the keys, 0 = configs.decode_splits's choice."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     num_heads_k = k.shape[2]
     group = num_heads // num_heads_k
     seqlen_k = paged.seqlen_k if paged is not None else k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out, lse
     rows = seqlen_q * group
     cfg = decode_config(head_dim, q.dtype, rows, paged is not None and paged.page_size > 0)
     row_tiles = cdiv(rows, cfg.block_m)
@@ -94,4 +87,3 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Ke
                (seqlen_q, num_heads_k, group, num_splits),
                HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=cfg.block_m,
                BLOCK_S=next_power_of_2(num_splits), num_warps=DECODE_COMBINE_WARPS)
-    return out, lse

@@ -12,16 +12,12 @@ from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv
                                visible_elements)
 from ...kernels.elementwise import Elementwise
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
-from ...kernels.sequences import (PackedSequences, batch_shape, check_row_order, lse_shape,
-                                  lse_strides, packed_operands, row_lens_operands, row_strides,
-                                  tma_compatible)
+from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
+                                  row_lens_operands, row_strides, tma_compatible)
 from ...kernels.sizes import cdiv, padded_head_dim
-from ...runtime.launch import descriptor_workspace, launch
+from ...runtime.launch import descriptor_workspace, launch, tensors_then_tuple
 from ...runtime.switches import tma_enabled
-from ..gluon_sm90.forward import hopper_forward
 from .configs import DROPOUT_MAX_STAGES, forward_config
-
-GLUON_FORWARD, TRITON_FORWARD = "fwd_hopper", "fwd"  # the kernels a plan names
 
 
 @triton.jit
@@ -115,33 +111,60 @@ def _fwd_tiles(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
-    KvNum, KvIdx, FullKvNum, FullKvIdx,
-    stride_knb, stride_knh, stride_knm,
-    stride_kib, stride_kih, stride_kim,
-    stride_fnb, stride_fnh, stride_fnm,
-    stride_fib, stride_fih, stride_fim,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div,
-    Bias, stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div,
-    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
-    BitSlots, stride_sb, stride_sh, stride_sq, stride_sk, BlockBits,
-    seqlen_q, seqlen_k, num_heads, group, diag_offset, window_left, window_right,
-    qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, dropout_p,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_ROWS_SHARED: tl.constexpr, BIAS_COLS_SHARED: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
+    Q, K, V, Out, Lse, q_strides, k_strides, v_strides, out_strides, lse_strides,
+    KvNum, KvIdx, FullKvNum, FullKvIdx, list_strides, Mask, mask_layout, Bias, bias_layout,
+    RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK, BitSlots, bit_strides, BlockBits,
+    shape, window, scores, rng,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+    WINDOW_FORM: tl.constexpr, SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr,
+    BIAS_FORM: tl.constexpr, ROW_LENS_FORM: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, EXPLICIT: tl.constexpr, BITS_FORM: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr, LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr,
 ):
+    """Out and Lse of query tile program_id(0) of (batch x query head) program_id(1).
+    Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
+    rest is grouped: the tensors' strides ((batch, row, head) / lse (batch, head)), the lists'
+    strides ((b, h, row) of each of the four), mask_layout / bias_layout (batch, head, row,
+    column strides, head divisor), bit_strides (b, h, query block, key block), shape (seqlen_q,
+    seqlen_k, num_heads, group: query heads per KV head), window (diag_offset, left, right),
+    scores (`scores_log2`'s scale and softcap terms), rng (seed, dropout_p); TILE (BLOCK_M,
+    BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT), MASK_FORM / BIAS_FORM (given,
+    rows shared, columns shared), ROW_LENS_FORM (HAS_ROW_LENS, LENGTH_RANGES: key ranges from
+    the lengths, ROW_ORDER), BITS_FORM (HAS_BITS, USER_BQ, USER_BK)."""
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_ob, stride_om, stride_oh = out_strides
+    stride_lb, stride_lh = lse_strides
+    (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
+     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim) = list_strides
+    stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
+    stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
+    stride_sb, stride_sh, stride_sq, stride_sk = bit_strides
+    seqlen_q, seqlen_k, num_heads, group = shape
+    diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
+    rng_seed, dropout_p = rng
+    # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
+    BLOCK_M: tl.constexpr = TILE[0]
+    BLOCK_N: tl.constexpr = TILE[1]
+    EVEN_M: tl.constexpr = TILE[2]
+    EVEN_N: tl.constexpr = TILE[3]
+    HAS_LEFT: tl.constexpr = WINDOW_FORM[0]
+    HAS_RIGHT: tl.constexpr = WINDOW_FORM[1]
+    HAS_MASK: tl.constexpr = MASK_FORM[0]
+    MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
+    MASK_COLS_SHARED: tl.constexpr = MASK_FORM[2]
+    HAS_BIAS: tl.constexpr = BIAS_FORM[0]
+    BIAS_ROWS_SHARED: tl.constexpr = BIAS_FORM[1]
+    BIAS_COLS_SHARED: tl.constexpr = BIAS_FORM[2]
+    HAS_ROW_LENS: tl.constexpr = ROW_LENS_FORM[0]
+    LENGTH_RANGES: tl.constexpr = ROW_LENS_FORM[1]
+    ROW_ORDER: tl.constexpr = ROW_LENS_FORM[2]
+    HAS_BITS: tl.constexpr = BITS_FORM[0]
+    USER_BQ: tl.constexpr = BITS_FORM[1]
+    USER_BK: tl.constexpr = BITS_FORM[2]
     tile_m = tl.program_id(0)
     if REVERSE_M:
         # causal: the longest rows start first, so the tail of the grid is short work
@@ -264,42 +287,17 @@ def _fwd_kernel(
             tl.store(o_ptrs, out, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
-                      schedule: TileLists | None = None, bits: BlockBits | None = None,
-                      mask: Elementwise | None = None,
-                      bias: Elementwise | None = None, row_lens: torch.Tensor | None = None,
-                      packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
-                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      row_order: torch.Tensor | None = None,
-                      kernel: str = TRITON_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
-    packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
-    `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
-    the block mask's element bitmaps `bits` and the per-row key lengths row_lens (int32 (B, Sq)
-    or packed (total_q,)) are applied in its PARTIAL tiles, the bias in every visited tile.
-    row_lens without a schedule (not packed): each query tile's key range comes from its rows'
-    lengths, which the backward pass needs sorted longest first within each batch: with
-    row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
-    and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
-    dropout: (p, seed) of the Philox stream.
-    `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
-    kernel: the plan's (plan.py): GLUON_FORWARD runs fwd_hopper.py's kernel, which the plan
-    gives only calls it takes; TRITON_FORWARD this module's."""
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                   out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None,
+                   bits: BlockBits | None, mask: Elementwise | None, bias: Elementwise | None,
+                   row_lens: torch.Tensor | None, packed: PackedSequences | None,
+                   dropout: tuple[float, int], row_order: torch.Tensor | None) -> None:
+    """The Triton forward into out / lse, for a call with keys and queries (`passes.
+    attention_forward` has the layouts and the arguments' meaning)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
-    check_row_order(row_order, row_lens, args, schedule, mask, bias, packed, dropout)
     num_heads_k = k.shape[-2]
-    out = torch.empty_like(q) if out is None else out
-    if lse is None:
-        lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
-    if k.numel() == 0:  # every row sees no key
-        return out.zero_(), lse.fill_(float("-inf"))
-    if out.numel() == 0:
-        return out, lse
     elementwise = mask is not None or bias is not None
-    if kernel == GLUON_FORWARD:
-        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
-        return out, lse
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None
     cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
@@ -313,36 +311,35 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         # the dropout draws are regrouped through shared memory: one stage less
         num_stages = min(num_stages, DROPOUT_MAX_STAGES)
     n_tiles_m = cdiv(seqlen_q, block_m)
+    even_m = packed is None and seqlen_q % block_m == 0
     even_n = packed is None and seqlen_k % block_n == 0
-    sched = schedule.operands() if schedule is not None \
+    lists = schedule.operands() if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     with descriptor_workspace():
         launch(_fwd_kernel, (n_tiles_m, batch * num_heads),
             q, k, v, out, lse,
-            *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(out), *lse_strides(lse),
-            *sched,
-            *(mask.operands() if mask is not None else unused),
-            *(bias.operands() if bias is not None else unused),
+            row_strides(q), row_strides(k), row_strides(v), row_strides(out), lse_strides(lse),
+            *tensors_then_tuple(lists, 4),
+            *tensors_then_tuple(mask.operands() if mask is not None else unused, 1),
+            *tensors_then_tuple(bias.operands() if bias is not None else unused, 1),
             *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
             *(bits.operands() if bits is not None
               else BlockBits.placeholder_operands(q.device)),
-            seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k, seqlen_k - seqlen_q,
-            args.window_left, args.window_right,
-            args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, dropout[1], dropout[0],
-            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-            HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, SOFTCAP=args.softcap > 0,
-            **Elementwise.kernel_flags(mask, bias),
-            HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None, DROPOUT=dropout[0] > 0,
-            EXPLICIT=schedule is not None,
-            EVEN_M=packed is None and seqlen_q % block_m == 0,
-            EVEN_N=even_n,
-            **BlockBits.kernel_flags(bits),
+            (seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k),
+            (seqlen_k - seqlen_q, args.window_left, args.window_right),
+            (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2),
+            (dropout[1], dropout[0]),
+            HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+            TILE=(block_m, block_n, even_m, even_n),
+            WINDOW_FORM=(args.has_left, args.has_right), SOFTCAP=args.softcap > 0,
+            MASK_FORM=Elementwise.form(mask), BIAS_FORM=Elementwise.form(bias),
+            ROW_LENS_FORM=(row_lens is not None, row_lens is not None and schedule is None,
+                           row_order is not None),
+            VARLEN=packed is not None, DROPOUT=dropout[0] > 0, EXPLICIT=schedule is not None,
+            BITS_FORM=BlockBits.kernel_form(bits),
             REVERSE_M=schedule is None and args.later_rows_see_more,
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
-            LENGTH_RANGES=row_lens is not None and schedule is None,
-            ROW_ORDER=row_order is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
-    return out, lse

@@ -1,0 +1,357 @@
+"""Top-k row thresholds on the GPU: for every (batch, head, query row), the threshold pair of
+predicate.RowThresholds that keeps the `topk` visible keys of largest score (ties to the lower
+key index), with no (Sq, Sk) temporary.
+
+Two kernels, by the scores' form:
+- radix select (`_radix_select_kernel`): a program holds BLOCK_M rows and walks their visible
+  key tiles once per RADIX_BITS-bit digit of the uint32 order keys, most significant first,
+  counting per row the keys at or above each candidate digit; a last walk finds the tie bound
+  where ties at the threshold are cut. Any scores and masks: causal / window / per-row lengths /
+  packed sequences are applied in-kernel, attn_mask and a block mask are read. Work: the visible
+  elements times (32 / RADIX_BITS + 1).
+- range select (kernels/select_ranges.py): per-key scores (one row for every query) whose rows
+  see contiguous key ranges (causal, window, lengths, packed sequences, a per-key mask): a
+  wavelet matrix over the keys' ranks answers each row in O(log Sk), where rescanning every
+  causal prefix would be O(Sq x Sk).
+
+The launcher `row_thresholds` picks one; `reference.topk_thresholds` is the plain PyTorch twin.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..predicate import EVERY_TIE, FULL, KEEP_ALL, PARTIAL, RowThresholds, selection_heads
+from ..runtime.launch import launch
+from ..runtime.switches import interpreting
+from .common import implicit_kv_range, load_pair_tile, sequence_bounds, visible_elements
+from .elementwise import Elementwise
+from .schedule import BlockBits, KernelArgs
+from .select_ranges import range_thresholds
+from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
+from .sizes import cdiv
+
+_FULL, _PARTIAL = tl.constexpr(FULL), tl.constexpr(PARTIAL)
+_KEEP_ALL, _EVERY_TIE = tl.constexpr(KEEP_ALL), tl.constexpr(EVERY_TIE)
+
+# untuned: rows per program, keys per step, digit width (16 candidates per row and step)
+RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS, RADIX_NUM_WARPS = 16, 64, 4, 4
+INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS = 16, 16, 8
+
+
+@triton.jit
+def order_keys(x):
+    """uint32 order keys of float scores: predicate.order_keys ^ 0x80000000, so that unsigned
+    order is the scores' order (-0 = +0, NaN above +inf)."""
+    x = x.to(tl.float32)
+    bits = tl.where(x == 0, 0, x.to(tl.int32, bitcast=True))
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = tl.where(x != x, 0x7FFFFFFF, keys)
+    return keys.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def block_mask_keep(states, slots, bits, stride_sq, stride_sk, stride_lq, stride_lk, rows, cols,
+                    seqlen_q, seqlen_k, diag_offset, block_q, block_k, left, right,
+                    HAS_BITS: tl.constexpr):
+    """[BM, BN] visibility under a block mask: FULL blocks, and PARTIAL blocks where its own
+    relative predicate (left / right, -1 unbounded) and element bitmap hold. states / slots
+    point at this (batch, head)'s dense int8 block states / int32 bitmap slots."""
+    inside = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
+    q_block = rows[:, None] // block_q
+    k_block = cols[None, :] // block_k
+    state = tl.load(states + q_block * stride_sq + k_block * stride_sk, mask=inside, other=0)
+    rel = cols[None, :] - rows[:, None] - diag_offset
+    partial = ((right < 0) | (rel <= right)) & ((left < 0) | (rel >= -left))
+    if HAS_BITS:
+        slot = tl.load(slots + q_block * stride_lq + k_block * stride_lk, mask=inside, other=-1)
+        offset = tl.maximum(slot, 0).to(tl.int64) * (block_q * block_k) \
+            + (rows[:, None] % block_q) * block_k + cols[None, :] % block_k
+        bit = tl.load(bits + offset, mask=inside, other=1)
+        partial = partial & ((slot < 0) | (bit != 0))
+    return (state == _FULL) | ((state == _PARTIAL) & partial)
+
+
+@triton.jit
+def tile_keys(scores, mask, states, slots, bits, rows, start_n, key_end, rows_left, seqlen_q,
+              seqlen_k, diag_offset, window_left, window_right, stride_sm, stride_sn,
+              stride_mm, stride_mn, stride_bq, stride_bk, stride_lq, stride_lk,
+              block_q, block_k, block_left, block_right,
+              BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, HAS_BITS: tl.constexpr,
+              SCORES_ROWS_SHARED: tl.constexpr, SCORES_COLS_SHARED: tl.constexpr,
+              MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr):
+    """(uint32 order keys [BM, BN], visible [BM, BN]) of key tile start_n for `rows`
+    (positions in the sequence; key_end [BM]: where each row's keys end, 0 past the last row).
+    scores / mask point at the program's first row, key 0."""
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = start_n + offs_n
+    local_m = tl.arange(0, rows.shape[0])
+    raw = load_pair_tile(scores + start_n.to(tl.int64) * stride_sn, local_m, offs_n, stride_sm,
+                         stride_sn, rows_left, seqlen_k - start_n, SCORES_ROWS_SHARED,
+                         SCORES_COLS_SHARED, False, False)
+    keys = order_keys(raw) + tl.zeros([rows.shape[0], BLOCK_N], tl.uint32)
+    visible = visible_elements(rows, cols, key_end, diag_offset, window_left, window_right,
+                               HAS_LEFT, HAS_RIGHT, True)
+    if HAS_MASK:
+        kept = load_pair_tile(mask + start_n.to(tl.int64) * stride_mn, local_m, offs_n,
+                              stride_mm, stride_mn, rows_left, seqlen_k - start_n,
+                              MASK_ROWS_SHARED, MASK_COLS_SHARED, False, False)
+        visible = visible & (kept != 0)
+    if HAS_BLOCK_MASK:
+        visible = visible & block_mask_keep(states, slots, bits, stride_bq, stride_bk,
+                                            stride_lq, stride_lk, rows, cols, seqlen_q,
+                                            seqlen_k, diag_offset, block_q, block_k,
+                                            block_left, block_right, HAS_BITS)
+    return keys, visible
+
+
+@triton.jit
+def _radix_select_kernel(
+    Scores, stride_sb, stride_sh, stride_sm, stride_sn, scores_div,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_div,
+    States, stride_bb, stride_bh, stride_bq, stride_bk, block_div,
+    Slots, stride_lb, stride_lh, stride_lq, stride_lk, Bits,
+    block_q, block_k, block_left, block_right,
+    RowLens, stride_rb, CuSeqlensQ, CuSeqlensK, Threshold, LastTie, stride_tb, stride_th,
+    topk, seqlen_q, seqlen_k, heads_out, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RADIX: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BLOCK_MASK: tl.constexpr, HAS_BITS: tl.constexpr, HAS_ROW_LENS: tl.constexpr,
+    VARLEN: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr, SCORES_COLS_SHARED: tl.constexpr,
+    MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+):
+    """Threshold pairs of BLOCK_M rows of one (batch, output head): program (row tile,
+    batch x heads_out). Input heads: output head h reads head h // *_div. seqlen_q: the rows
+    (1 where no row differs); packed: the longest sequence's, each sequence's from cu_seqlens."""
+    off_b = tl.program_id(1) // heads_out
+    off_h = tl.program_id(1) % heads_out
+    first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
+                                                     seqlen_k, VARLEN)
+    diag_offset = seqlen_k - seqlen_q
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    key_end = tl.where(rows < seqlen_q, seqlen_k, 0)
+    if HAS_ROW_LENS:
+        lens = tl.load(RowLens + off_b * stride_rb + first_q + rows, mask=rows < seqlen_q, other=0)
+        key_end = tl.minimum(key_end, lens)
+    lo, _, _, hi = implicit_kv_range(start_m, seqlen_q, seqlen_k, diag_offset, window_left,
+                                     window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.minimum(hi, tl.cdiv(tl.max(key_end, 0), BLOCK_N))
+    row_off = (first_q + start_m).to(tl.int64)
+    scores = Scores + off_b.to(tl.int64) * stride_sb + (off_h // scores_div).to(tl.int64) \
+        * stride_sh + row_off * stride_sm
+    mask = Mask + off_b.to(tl.int64) * stride_mb + (off_h // mask_div).to(tl.int64) * stride_mh \
+        + row_off * stride_mm
+    states = States + off_b * stride_bb + (off_h // block_div) * stride_bh
+    slots = Slots + off_b * stride_lb + (off_h // block_div) * stride_lh
+    rows_left = seqlen_q - start_m
+
+    # digit by digit, most significant first: prefix holds the threshold's digits found so
+    # far; counts[:, d] is how many visible keys are >= prefix with digit d next (absolute
+    # counts, so no remainder is carried); above: how many lie above prefix's bucket
+    NUM_DIGITS: tl.constexpr = 1 << RADIX
+    digits = tl.arange(0, NUM_DIGITS).to(tl.uint32)
+    prefix = tl.zeros([BLOCK_M], tl.uint32)
+    above = tl.zeros([BLOCK_M], tl.int32)
+    n_visible = tl.zeros([BLOCK_M], tl.int32)
+    at_least = tl.zeros([BLOCK_M], tl.int32)
+    shift = tl.full([], 32 - RADIX, tl.int32)
+    while shift >= 0:
+        candidates = prefix[:, None] | (digits[None, :] << shift.to(tl.uint32))  # [BM, ND]
+        counts = tl.zeros([BLOCK_M, NUM_DIGITS], tl.int32)
+        for i in range(hi - lo):
+            keys, visible = tile_keys(
+                scores, mask, states, slots, Bits, rows, (lo + i) * BLOCK_N, key_end, rows_left,
+                seqlen_q, seqlen_k, diag_offset, window_left, window_right, stride_sm,
+                stride_sn, stride_mm, stride_mn, stride_bq, stride_bk, stride_lq, stride_lk,
+                block_q, block_k, block_left, block_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_MASK, HAS_BLOCK_MASK, HAS_BITS, SCORES_ROWS_SHARED, SCORES_COLS_SHARED,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED)
+            hits = (keys[:, :, None] >= candidates[:, None, :]) & visible[:, :, None]
+            counts += tl.sum(hits.to(tl.int32), 1)
+        if shift == 32 - RADIX:  # digit 0 of the first pass counts every visible key
+            n_visible = tl.sum(tl.where(digits[None, :] == 0, counts, 0), 1)
+        # the largest digit with topk keys at or above it (counts fall as digits rise)
+        digit = tl.maximum(tl.sum((counts >= topk).to(tl.int32), 1) - 1, 0)
+        at_least = tl.sum(tl.where(digits[None, :] == digit[:, None], counts, 0), 1)
+        next_count = tl.sum(tl.where(digits[None, :] == digit[:, None] + 1, counts, 0), 1)
+        above = tl.where(digit + 1 < NUM_DIGITS, next_count, above)
+        prefix = prefix | (digit.to(tl.uint32) << shift.to(tl.uint32))
+        # rows seeing at most topk keys keep them all: a tile of only those stops here
+        shift = tl.where(tl.max(n_visible, 0) > topk, shift - RADIX, -1)
+    selects = n_visible > topk
+
+    # the tie bound: where the (topk - above)-th visible key scoring the threshold lies, for
+    # rows whose ties at the threshold are cut
+    needed = topk - above
+    cut = selects & (at_least - above > needed)
+    last_tie = tl.full([BLOCK_M], _EVERY_TIE, tl.int32)
+    if tl.max(cut.to(tl.int32), 0) > 0:
+        seen = tl.zeros([BLOCK_M], tl.int32)
+        found = tl.full([BLOCK_M], -1, tl.int32)
+        for i in range(hi - lo):
+            keys, visible = tile_keys(
+                scores, mask, states, slots, Bits, rows, (lo + i) * BLOCK_N, key_end, rows_left,
+                seqlen_q, seqlen_k, diag_offset, window_left, window_right, stride_sm,
+                stride_sn, stride_mm, stride_mn, stride_bq, stride_bk, stride_lq, stride_lk,
+                block_q, block_k, block_left, block_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_MASK, HAS_BLOCK_MASK, HAS_BITS, SCORES_ROWS_SHARED, SCORES_COLS_SHARED,
+                MASK_ROWS_SHARED, MASK_COLS_SHARED)
+            tied = (visible & (keys == prefix[:, None])).to(tl.int32)
+            running = seen[:, None] + tl.cumsum(tied, 1)
+            cols = (lo + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            hit = (tied != 0) & (running == needed[:, None])
+            found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
+            seen += tl.sum(tied, 1)
+        last_tie = tl.where(cut, found, last_tie)
+    threshold = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+    threshold = tl.where(selects, threshold, _KEEP_ALL)
+    out = off_b.to(tl.int64) * stride_tb + off_h * stride_th + first_q + rows
+    tl.store(Threshold + out, threshold, mask=rows < seqlen_q)
+    tl.store(LastTie + out, last_tie, mask=rows < seqlen_q)
+
+
+def _head_div(heads_out: int, t: torch.Tensor | None) -> int:
+    """Output head h reads head h // div of a (B|1, Hm, ...) input (Hm divides heads_out)."""
+    return heads_out if t is None else heads_out // t.shape[1]
+
+
+def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int, seqlen_q: int,
+                   seqlen_k: int, num_heads: int, num_heads_k: int,
+                   mask: Elementwise | None = None, block_mask=None,
+                   row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
+                   total_q: int | None = None) -> RowThresholds:
+    """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter).
+
+    scores / mask: (B|1, Hm, Sq|1, Sk|1) as the attention kernels read them (packed: the
+    (1, Hm, total_q|1, max_k|1) view); args: the causal / window bounds; block_mask: an
+    omniattn.BlockMask, read through its dense block states, predicate and bitmaps;
+    row_lens: int32 (B, Sq) (packed: (total_q,)); packed: (Sq, Sk) are then the longest and
+    total_q the packed rows. Returns int32 (B, Hs, Sq|1) (packed: (1, Hs, total_q)), Hs the
+    selection's heads."""
+    device = scores.tensor.device
+    head_counts = [scores.tensor.shape[1]] + ([mask.tensor.shape[1]] if mask is not None else [])
+    if block_mask is not None:
+        head_counts.append(block_mask.kv_num_blocks.shape[1])
+    heads = selection_heads(num_heads, num_heads_k, *head_counts)
+    rows_differ = not (scores.rows_shared and (mask is None or mask.rows_shared)) \
+        or args.masked or block_mask is not None or row_lens is not None
+    num_rows = seqlen_q if rows_differ else 1
+    out_shape = (1, heads, total_q) if packed is not None else (batch, heads, num_rows)
+    threshold = torch.full(out_shape, KEEP_ALL, dtype=torch.int32, device=device)
+    last_tie = torch.full(out_shape, EVERY_TIE, dtype=torch.int32, device=device)
+    if topk >= seqlen_k or threshold.numel() == 0:
+        return RowThresholds(threshold, last_tie)
+    if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
+            and (rows_differ or packed is not None):
+        range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
+                         threshold, last_tie)
+        return RowThresholds(threshold, last_tie)
+    block_m, block_n, radix = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS) \
+        if interpreting() else (RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS)
+    unused = (placeholder(device, torch.float32), 0, 0, 0, 0, 1)
+    if block_mask is not None:
+        states = block_mask.states.to(device)
+        bits = block_mask.kernel_bits
+        block_operands = (states, *broadcast_strides(states), _head_div(heads, states))
+        bits_operands = bits.operands() if bits is not None \
+            else BlockBits.placeholder_operands(device)
+        block_operands += (*bits_operands, *block_mask.block_size, block_mask.predicate.left,
+                           block_mask.predicate.right)
+    else:
+        bits = None
+        block_operands = (placeholder(device, torch.int8), 0, 0, 0, 0, 1,
+                          *BlockBits.placeholder_operands(device), 16, 16, -1, -1)
+    row_operands = (placeholder(device), 0) if row_lens is None else \
+        (row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0)
+    out_strides = (0 if packed is not None else threshold.stride(0), threshold.stride(1))
+    launch(_radix_select_kernel, (cdiv(num_rows, block_m), threshold.shape[0] * heads
+                                  if packed is None else packed.batch * heads),
+           *scores.operands()[:-1], _head_div(heads, scores.tensor),
+           *(mask.operands()[:-1] if mask is not None else unused[:-1]),
+           _head_div(heads, mask.tensor if mask is not None else None),
+           *block_operands, *row_operands, *packed_operands(packed, device), threshold, last_tie,
+           *out_strides, topk, num_rows, seqlen_k, heads, args.window_left, args.window_right,
+           BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix, HAS_LEFT=args.has_left,
+           HAS_RIGHT=args.has_right, HAS_MASK=mask is not None,
+           HAS_BLOCK_MASK=block_mask is not None, HAS_BITS=bits is not None,
+           HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
+           SCORES_ROWS_SHARED=scores.rows_shared, SCORES_COLS_SHARED=scores.cols_shared,
+           MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+           MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+           num_warps=1 if interpreting() else RADIX_NUM_WARPS)
+    return RowThresholds(threshold, last_tie)
+
+
+@triton.jit
+def _keep_mask_kernel(
+    Scores, stride_sb, stride_sh, stride_sm, stride_sn, scores_div,
+    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_div,
+    Threshold, LastTie, stride_tb, stride_th, stride_tm, threshold_div,
+    Keep, stride_kb, stride_kh, stride_km, seqlen_q, seqlen_k, heads_out, window_left,
+    window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr,
+    SCORES_COLS_SHARED: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr,
+    MASK_COLS_SHARED: tl.constexpr,
+):
+    """The kept keys of a [BLOCK_M, BLOCK_N] tile, program (row tile, key tile, batch x
+    heads_out): visible and at or above the row's threshold pair (predicate.topk_keep), as
+    uint8 into Keep (B, heads_out, Sq, Sk)."""
+    off_b = tl.program_id(2) // heads_out
+    off_h = tl.program_id(2) % heads_out
+    start_m = tl.program_id(0) * BLOCK_M
+    start_n = tl.program_id(1) * BLOCK_N
+    rows = start_m + tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    inside = rows < seqlen_q
+    scores = Scores + off_b.to(tl.int64) * stride_sb + (off_h // scores_div).to(tl.int64) \
+        * stride_sh + start_m.to(tl.int64) * stride_sm
+    mask = Mask + off_b.to(tl.int64) * stride_mb + (off_h // mask_div).to(tl.int64) * stride_mh \
+        + start_m.to(tl.int64) * stride_mm
+    placeholder = Scores
+    keys, visible = tile_keys(
+        scores, mask, placeholder, placeholder, placeholder, rows, start_n,
+        tl.where(inside, seqlen_k, 0), seqlen_q - start_m, seqlen_q, seqlen_k,
+        seqlen_k - seqlen_q, window_left, window_right, stride_sm, stride_sn, stride_mm,
+        stride_mn, 0, 0, 0, 0, 1, 1, -1, -1, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, False,
+        False, SCORES_ROWS_SHARED, SCORES_COLS_SHARED, MASK_ROWS_SHARED, MASK_COLS_SHARED)
+    pairs = off_b.to(tl.int64) * stride_tb + (off_h // threshold_div) * stride_th \
+        + rows * stride_tm
+    threshold = tl.load(Threshold + pairs, mask=inside, other=0)
+    last_tie = tl.load(LastTie + pairs, mask=inside, other=0)
+    threshold = (threshold.to(tl.uint32, bitcast=True) ^ 0x80000000)[:, None]
+    keep = visible & ((keys > threshold) | ((keys == threshold)
+                                           & (cols[None, :] <= last_tie[:, None])))
+    out = Keep + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh \
+        + rows[:, None].to(tl.int64) * stride_km + cols[None, :]
+    tl.store(out, keep.to(tl.uint8), mask=inside[:, None] & (cols[None, :] < seqlen_k))
+
+
+def keep_mask(pairs: RowThresholds, scores: Elementwise, args: KernelArgs, batch: int,
+              seqlen_q: int, seqlen_k: int, heads: int,
+              mask: Elementwise | None = None) -> torch.Tensor:
+    """Bool (B, heads, Sq, Sk): the keys `pairs` (from row_thresholds on the same scores, mask
+    and causal / window bounds; (B, Hs, Sq|1)) keep, the mask materialised. Integer
+    comparisons of the same order keys: bit-identical to predicate.topk_keep."""
+    device = scores.tensor.device
+    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool, device=device)
+    if keep.numel() == 0:
+        return keep
+    block_m, block_n = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N) if interpreting() else (32, 128)
+    unused = (placeholder(device, torch.float32), 0, 0, 0, 0)
+    threshold = pairs.threshold
+    launch(_keep_mask_kernel, (cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n), batch * heads),
+           *scores.operands()[:-1], _head_div(heads, scores.tensor),
+           *(mask.operands()[:-1] if mask is not None else unused),
+           _head_div(heads, mask.tensor if mask is not None else None),
+           threshold, pairs.last_tie, *broadcast_strides(threshold), _head_div(heads, threshold),
+           keep.view(torch.uint8), *keep.stride()[:3], seqlen_q, seqlen_k, heads,
+           args.window_left, args.window_right, BLOCK_M=block_m, BLOCK_N=block_n,
+           HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, HAS_MASK=mask is not None,
+           SCORES_ROWS_SHARED=scores.rows_shared, SCORES_COLS_SHARED=scores.cols_shared,
+           MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
+           MASK_COLS_SHARED=mask is not None and mask.cols_shared,
+           num_warps=1 if interpreting() else 4)
+    return keep

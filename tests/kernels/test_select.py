@@ -1,0 +1,266 @@
+"""The top-k thresholds kernels (kernels/select.py: radix select; kernels/select_ranges.py:
+per-key scores over key ranges) against reference.topk_thresholds: the same threshold pairs,
+bit for bit, with ties, NaN and infinities among the scores; the mask they materialise against
+predicate.topk_keep. Under the interpreter without a GPU (fp32 / fp16 scores: it computes bf16
+wrongly)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import omniattn
+from helpers import DEVICE, GPU, random_block_mask
+from omniattn.kernels import select
+from omniattn.kernels.elementwise import Elementwise
+from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels.select import keep_mask, row_thresholds
+from omniattn.kernels.sequences import PackedSequences
+from omniattn.predicate import order_keys, topk_keep
+from omniattn.reference import topk_thresholds
+
+
+def scores_with_ties(shape, seed, dtype=torch.float32):
+    """Integer-valued scores in [-3, 3] with some NaN, +-inf and -0.0."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, shape, generator=generator).float()
+    draw = torch.rand(shape, generator=generator)
+    for value, low in ((float("nan"), 0.0), (float("inf"), 0.03), (float("-inf"), 0.06),
+                       (-0.0, 0.09)):
+        scores = torch.where((draw >= low) & (draw < low + 0.03), value, scores)
+    return scores.to(DEVICE, dtype)
+
+
+def assert_same_pairs(got, expected):
+    assert got.threshold.shape == expected.threshold.shape
+    assert torch.equal(got.threshold, expected.threshold.to(got.threshold.device))
+    assert torch.equal(got.last_tie, expected.last_tie.to(got.last_tie.device))
+
+
+def run_both(batch, seqlen_q, seqlen_k, heads, heads_k, topk, scores, causal=False, window=None,
+             attn_mask=None, row_lens=None, block_mask=None):
+    """(kernel pairs, reference pairs) of one padded call."""
+    q = torch.empty(batch, seqlen_q, heads, 8, device=DEVICE)
+    k = torch.empty(batch, seqlen_k, heads_k, 8, device=DEVICE)
+    expected = topk_thresholds(q, k, topk, scores, causal=causal, window=window,
+                               attn_mask=attn_mask, block_mask=block_mask,
+                               seqlens_k_per_row=row_lens, chunk_size=5)
+    got = row_thresholds(topk, Elementwise.of(scores, heads),
+                         KernelArgs.make(8, causal, window, None, 0.0), batch, seqlen_q,
+                         seqlen_k, heads, heads_k,
+                         mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
+                         block_mask=block_mask, row_lens=row_lens)
+    return got, expected
+
+
+def lengths(batch, seqlen_q, seqlen_k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, seqlen_k + 1, (batch, seqlen_q), generator=generator,
+                         dtype=torch.int32).to(DEVICE)
+
+
+# (name, B, Sq, Sk, H, Hk, topk, score shape, options): the radix select
+RADIX_CASES = [
+    ("full-causal", 2, 19, 37, 2, 1, 4, (2, 2, 19, 37), dict(causal=True)),
+    ("key-scores-row-mask", 1, 13, 40, 4, 2, 5, (1, 2, 1, 40), dict(mask=(1, 4, 13, 40))),
+    ("hk-full-window-lengths", 2, 11, 30, 4, 2, 3, (1, 2, 11, 30),
+     dict(window=(9, 2), lengths=True)),
+    ("row-scores-all-tied", 2, 9, 25, 2, 2, 6, (2, 2, 9, 1), dict(causal=True)),
+    ("one-row-for-all", 2, 9, 25, 2, 2, 3, (2, 2, 1, 25), dict(mask=(2, 1, 1, 25))),
+    ("fp16-sq-above-sk", 1, 30, 12, 2, 2, 2, (1, 2, 30, 12), dict(causal=True, dtype="fp16")),
+]
+
+
+@pytest.mark.parametrize("case", RADIX_CASES, ids=lambda c: c[0])
+def test_radix_select_matches_the_reference(case):
+    name, batch, seqlen_q, seqlen_k, heads, heads_k, topk, shape, options = case
+    seed = RADIX_CASES.index(case)
+    dtype = torch.float16 if options.get("dtype") == "fp16" else torch.float32
+    scores = scores_with_ties(shape, seed, dtype)
+    mask = torch.rand(options["mask"], generator=torch.Generator().manual_seed(seed)) > 0.3 \
+        if "mask" in options else None
+    got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads_k, topk, scores,
+                             options.get("causal", False), options.get("window"),
+                             None if mask is None else mask.to(DEVICE),
+                             lengths(batch, seqlen_q, seqlen_k, seed)
+                             if options.get("lengths") else None)
+    assert_same_pairs(got, expected)
+
+
+def test_radix_select_with_its_gpu_digits(monkeypatch):
+    """4-bit digits (8 passes), as on the GPU; the interpreter's default is 8 bits."""
+    monkeypatch.setattr(select, "INTERPRETER_RADIX_BITS", 4)
+    got, expected = run_both(2, 10, 33, 2, 1, 3, scores_with_ties((2, 1, 10, 33), 11),
+                             causal=True)
+    assert_same_pairs(got, expected)
+
+
+@pytest.mark.parametrize("bitmaps", [False, True])
+def test_radix_select_reads_block_masks(bitmaps):
+    batch, seqlen_q, seqlen_k, heads = 2, 24, 40, 2
+    if bitmaps:
+        block_mask = omniattn.block_mask_from_predicate(
+            lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0, 1, 1, seqlen_q, seqlen_k,
+            block_size=16, device=DEVICE)
+    else:
+        block_mask = random_block_mask(batch, heads, seqlen_q, seqlen_k, 16, 0.6, 5)
+    scores = scores_with_ties((batch, 1, 1, seqlen_k), 6)
+    got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads, 5, scores, causal=bitmaps,
+                             block_mask=block_mask)
+    assert_same_pairs(got, expected)
+
+
+# (name, B, Sq, Sk, H, Hk, topk, score shape, options): per-key scores over key ranges
+RANGE_CASES = [
+    ("causal", 2, 21, 37, 4, 2, 5, (2, 2, 1, 37), dict(causal=True)),
+    ("causal-sk-below-sq", 1, 30, 17, 2, 2, 3, (1, 2, 1, 17), dict(causal=True)),
+    ("window", 2, 19, 19, 2, 2, 4, (2, 1, 1, 19), dict(window=(7, 0))),
+    ("lengths-key-mask", 2, 15, 33, 2, 1, 3, (2, 1, 1, 33), dict(lengths=True,
+                                                                mask=(2, 2, 1, 33))),
+    ("causal-mqa-fp16", 1, 16, 16, 4, 1, 1, (1, 1, 1, 16), dict(causal=True, dtype="fp16")),
+]
+
+
+@pytest.mark.parametrize("case", RANGE_CASES, ids=lambda c: c[0])
+def test_range_select_matches_the_reference(case):
+    name, batch, seqlen_q, seqlen_k, heads, heads_k, topk, shape, options = case
+    seed = 20 + RANGE_CASES.index(case)
+    dtype = torch.float16 if options.get("dtype") == "fp16" else torch.float32
+    mask = torch.rand(options["mask"], generator=torch.Generator().manual_seed(seed)) > 0.3 \
+        if "mask" in options else None
+    got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads_k, topk,
+                             scores_with_ties(shape, seed, dtype), options.get("causal", False),
+                             options.get("window"), None if mask is None else mask.to(DEVICE),
+                             lengths(batch, seqlen_q, seqlen_k, seed)
+                             if options.get("lengths") else None)
+    assert_same_pairs(got, expected)
+
+
+@pytest.mark.parametrize("per_key", [True, False], ids=["ranges", "radix"])
+def test_packed_sequences(per_key):
+    """Varlen (an empty sequence among them): per-key packed scores (1, Hk, max_k) take the
+    range select, per-row ones (total_q, H, max_k) the radix select."""
+    cu_q = torch.tensor([0, 6, 6, 19], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 9, 20, 33], dtype=torch.int32, device=DEVICE)
+    packed = PackedSequences(cu_q, cu_k, 13, 13)
+    scores = scores_with_ties((1, 2, 13) if per_key else (19, 4, 13), 30)
+    row_lens = torch.tensor([9, 0, 3, 9, 5, 1] + [11] * 13, dtype=torch.int32, device=DEVICE)
+    q, k = torch.empty(19, 4, 8, device=DEVICE), torch.empty(33, 2, 8, device=DEVICE)
+    expected = topk_thresholds(q, k, 3, scores, causal=True, seqlens_k_per_row=row_lens,
+                               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    got = row_thresholds(3, Elementwise.of(scores, 4), KernelArgs.make(8, True, None, None, 0.0),
+                         3, 13, 13, 4, 2, row_lens=row_lens, packed=packed, total_q=19)
+    assert_same_pairs(got, expected)
+
+
+def test_keep_mask_is_the_keep_predicate():
+    """The mask kernel keeps exactly what predicate.topk_keep keeps of the visible keys."""
+    batch, seqlen_q, seqlen_k, heads = 2, 13, 29, 2
+    scores = scores_with_ties((batch, heads, 1, seqlen_k), 40)
+    mask = (torch.rand(batch, 1, seqlen_q, seqlen_k,
+                       generator=torch.Generator().manual_seed(40)) > 0.2).to(DEVICE)
+    args = KernelArgs.make(8, True, None, None, 0.0)
+    score_form, mask_form = Elementwise.of(scores, heads), Elementwise.of(mask, heads)
+    pairs = row_thresholds(4, score_form, args, batch, seqlen_q, seqlen_k, heads, heads,
+                           mask=mask_form)
+    keep = keep_mask(pairs, score_form, args, batch, seqlen_q, seqlen_k, heads, mask_form)
+    visible = mask & torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE).tril(
+        seqlen_k - seqlen_q)
+    keys = order_keys(scores).expand(batch, heads, seqlen_q, seqlen_k)
+    assert torch.equal(keep, visible & topk_keep(keys, pairs.threshold, pairs.last_tie))
+    assert torch.equal(keep.sum(-1), visible.sum(-1).clamp(max=4).expand(batch, heads, -1))
+
+
+def test_topk_of_every_key_launches_nothing(monkeypatch):
+    monkeypatch.setattr(select, "launch", lambda *a, **k: pytest.fail("launched"))
+    scores = scores_with_ties((1, 1, 1, 8), 50)
+    got, expected = run_both(1, 8, 8, 2, 2, 8, scores, causal=True)
+    assert_same_pairs(got, expected)
+
+
+# every select kernel's launch, compiled for sm_90a in place of running (no GPU needed)
+_COMPILE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from kernel_resources import launches_compiled
+import omniattn
+from omniattn.kernels.elementwise import Elementwise
+from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels.select import keep_mask, row_thresholds
+from omniattn.predicate import RowThresholds
+reports, (b, s, h) = [], (2, 256, 4)
+causal = KernelArgs.make(64, True, None, None, 0.0)
+names = {"_radix_select_kernel", "_rank_levels_kernel", "_range_select_kernel",
+         "_keep_mask_kernel"}
+with launches_compiled(names, reports):
+    full = Elementwise.of(torch.randn(b, h, s, s, dtype=torch.bfloat16), h)
+    mask = Elementwise.of(torch.ones(b, 1, s, s, dtype=torch.bool), h)
+    row_thresholds(64, full, causal, b, s, s, h, h, mask=mask,
+                   row_lens=torch.full((b, s), s, dtype=torch.int32))
+    blocks = omniattn.block_mask_from_predicate(lambda b, h, q, k: (q - k) % 3 != 0, 1, 1, s, s,
+                                                block_size=64)
+    key = Elementwise.of(torch.randn(b, h, 1, s, dtype=torch.bfloat16), h)
+    row_thresholds(64, key, causal, b, s, s, h, h, block_mask=blocks)
+    row_thresholds(64, key, causal, b, s, s, h, h)
+    pairs = RowThresholds(*(torch.zeros(b, h, s, dtype=torch.int32) for _ in range(2)))
+    keep_mask(pairs, key, causal, b, s, s, h, mask)
+for r in reports:
+    print(r["kernel"])
+"""
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+def test_kernels_compile_for_hopper():
+    """The interpreter types less strictly than the compiler: each kernel (radix select with
+    masks, lengths and a block mask with bitmaps; the wavelet build and queries; the mask
+    writer) compiles for sm_90a. (Untuned: the radix select with a block mask's bitmaps spills
+    20 bytes at 255 registers.)"""
+    benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(benchmarks)], capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(set(run.stdout.split())) == [
+        "_keep_mask_kernel", "_radix_select_kernel", "_range_select_kernel",
+        "_rank_levels_kernel"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("form", ["full", "key"])
+def test_gpu_thresholds_at_tile_sizes(form):
+    """Several tiles of every kernel (64-key radix steps, 128-row range programs, 1024-key build
+    steps), bf16 scores with ties."""
+    batch, seqlen, heads = 2, 1500, 4
+    shape = (batch, heads, seqlen, seqlen) if form == "full" else (batch, heads, 1, seqlen)
+    scores = scores_with_ties(shape, 60, torch.bfloat16)
+    got, expected = run_both(batch, seqlen, seqlen, heads, heads, 300, scores, causal=True,
+                             row_lens=lengths(batch, seqlen, seqlen, 60))
+    assert_same_pairs(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_per_key_causal_thresholds_memory_is_linear():
+    """Issue #53's DMA case at 32k keys: the range select allocates O(heads x Sk log Sk) (its
+    wavelet matrix, 15 levels, and 5 int32 per key beside it), no (Sq, Sk) temporary."""
+    heads, seqlen = 4, 32768
+    scores = torch.randn(1, heads, 1, seqlen, device="cuda", dtype=torch.bfloat16)
+    args = KernelArgs.make(128, True, None, None, 0.0)
+    form = Elementwise.of(scores, heads)
+    row_thresholds(2048, form, args, 1, seqlen, seqlen, heads, heads)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    pairs = row_thresholds(2048, form, args, 1, seqlen, seqlen, heads, heads)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= heads * seqlen * 4 * (15 + 10) + (16 << 20), peak
+    keys = order_keys(scores[0, :, 0])
+    kept = (keys[:, None, :] > pairs.threshold[0, :, -3:, None]).sum(-1)  # the last rows
+    assert (kept <= 2048).all()
