@@ -63,3 +63,19 @@ def test_prefill_sized_paged_call_without_gradient():
         expected = _contiguous(q, k, v, table, used, causal=True)
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, expected[1], atol=1e-4, rtol=1e-4)
+
+
+def test_paged_topk_selects_within_each_sequence():
+    """top-k over paged keys: each sequence selects among its used keys, its scores cut to them."""
+    q, k, v, table = _paged()
+    used = torch.tensor([64, 21], dtype=torch.int32, device=DEVICE)
+    scores = torch.randn(2, 2, 1, 64, device=DEVICE)
+    with torch.no_grad():
+        out = omniattn.attention(q, k, v, block_table=table, seqused_k=used, causal=True,
+                                 topk=5, topk_scores=scores)
+        expected = torch.cat([
+            attention_reference(q[b:b + 1], k[table[b].long()].flatten(0, 1)[:n][None],
+                                v[table[b].long()].flatten(0, 1)[:n][None], causal=True, topk=5,
+                                topk_scores=scores[b:b + 1, ..., :n])
+            for b, n in enumerate(used.tolist())])
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
