@@ -93,9 +93,11 @@ def attention(
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_*, seqlens_k_per_row, seqused_k and
-            the block table's used entries (this syncs with the host). Pass False under CUDA-graph capture; out-of-range values then cannot
-            fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
-            call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
+            the block table's used entries (this syncs with the host). Pass False under
+            CUDA-graph capture; out-of-range lengths then cannot fault (they clamp to
+            [0, Sk]) but give unspecified results; block-table entries outside the pages are
+            read out of bounds, as in FlashAttention. Packed calls replay call plans only unchecked, with
+            max_seqlen_q / max_seqlen_k given.
         topk: each query row keeps only the `topk` keys of largest topk_scores among the keys
             every other mask lets it see (ties to the lower key index); a row seeing at most
             topk keys keeps them all. Every backend applies this rule; today the reference runs

@@ -1,10 +1,10 @@
 """Each pass of a call on the kernels the plan names (plan.py): what every kernel of the pass
 needs first, then that kernel's launcher in its backend (backends/triton, backends/gluon_sm90).
-The forward: its outputs and the calls with nothing to compute (split-KV decoding's too). The backward: the preprocess
-(delta = rowsum(dO * O) - dlse, the length order's copies, for the Gluon kernels lse / scale
-beside delta and dQ's fp32 sums; one Triton kernel for both backends), the dbias buffer and
-its reduction to the bias's shape, and the exact gradient of a bias with one column for all
-keys."""
+The forward: its outputs and the calls with nothing to compute (split-KV decoding's too). The
+backward: the preprocess (delta = rowsum(dO * O) - dlse, the length order's copies, for the
+Gluon kernels lse / scale beside delta and dQ's fp32 sums; one Triton kernel for both
+backends), the dbias buffer and its reduction to the bias's shape, and the exact gradient of a
+bias with one column for all keys."""
 from __future__ import annotations
 
 import torch

@@ -324,7 +324,8 @@ def _check_used_keys(k, block_table, seqused_k, page_size: int, seqlen_k: int) -
     if block_table is not None and block_table.numel():
         pages = block_table.shape[1]
         used = seqused_k if seqused_k is not None else torch.full_like(block_table[:, 0], seqlen_k)
-        listed = torch.arange(pages, device=k.device) < ((used + page_size - 1) // page_size)[:, None]
+        needed = (used + page_size - 1) // page_size
+        listed = torch.arange(pages, device=k.device) < needed[:, None]
         bad = listed & ((block_table < 0) | (block_table >= k.shape[0]))
         if bool(bad.any()):
             batch, slot = (int(i) for i in bad.nonzero()[0])

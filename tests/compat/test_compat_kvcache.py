@@ -79,9 +79,9 @@ def _inputs(batch, seqlen_q, new, heads, heads_k, head_dim, cache_rows, cache_le
     def randn(*shape):
         return torch.randn(shape, generator=generator, dtype=torch.float16).to(DEVICE)
 
-    return (randn(batch, seqlen_q, heads, head_dim), randn(cache_rows, cache_len, heads_k, head_dim),
-            randn(cache_rows, cache_len, heads_k, head_dim), randn(batch, new, heads_k, head_dim),
-            randn(batch, new, heads_k, head_dim), generator)
+    cache = (cache_rows, cache_len, heads_k, head_dim)
+    return (randn(batch, seqlen_q, heads, head_dim), randn(*cache), randn(*cache),
+            randn(batch, new, heads_k, head_dim), randn(batch, new, heads_k, head_dim), generator)
 
 
 def _check(got, expected, caches):

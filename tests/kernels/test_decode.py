@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import omniattn
-from omniattn.passes import decode_forward
 from omniattn.kernels.schedule import KernelArgs
+from omniattn.passes import decode_forward
 from omniattn.reference import paged_reference
+
 
 @pytest.fixture(autouse=True)
 def nan_poisoned_memory():

@@ -14,6 +14,7 @@ from ...runtime.switches import interpreting, sm_count
 from .configs import DECODE_COMBINE_WARPS, decode_config, decode_splits
 from .decode_kernels import decode_combine_kernel, decode_split_kernel
 
+
 def visible_key_span(args: KernelArgs, seqlen_q: int, seqlen_k: int) -> int:
     """The most keys one (batch, KV head) row tile sees: Sk, or a window's width."""
     if not args.has_left:
