@@ -60,6 +60,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         return out.zero_(), lse.fill_(float("-inf"))
     if out.numel() == 0:
         return out, lse
+    if kernel == GLUON_FORWARD and not tma_compatible(q, k, v):
+        kernel = TRITON_FORWARD  # a plan made while tracing could not see the bases' alignment
     if kernel == GLUON_FORWARD:
         hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
     else:
@@ -170,6 +172,9 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     gluon = kernel in (GLUON_BACKWARD, GLUON_BACKWARD_WIDE)
+    if gluon and not tma_compatible(q, k, v):
+        # a plan made while tracing could not see the bases' alignment
+        gluon, kernel = False, TRITON_BACKWARD
     # the Gluon kernels read dO by TMA (packed: heads packed in its rows)
     if dout.stride(-1) != 1 or (gluon and not (tma_compatible(dout) and (
             packed is None or flat_rows(dout)))):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import omniattn
-from helpers import (GPU, brute_force_topk, check_against_reference, random_block_mask,
+from helpers import (DEVICE, GPU, brute_force_topk, check_against_reference, random_block_mask,
                      visible_keys)
 from omniattn.predicate import (EVERY_TIE, KEEP_ALL, order_keys, select_thresholds,
                                 topk_keep)
@@ -105,8 +105,13 @@ def test_thresholds_match_brute_force(form, mask, topk):
     seed = list(SCORE_FORMS).index(form) * len(MASKS) + MASKS.index(mask)
     scores = tied_scores(SCORE_FORMS[form], seed, specials=form == "full")
     options, visible = other_masks(mask, seed)
-    q, k = torch.empty(B, SQ, H, 8), torch.empty(B, SK, HK, 8)
-    pairs = topk_thresholds(q, k, topk, scores, chunk_size=7, **options)
+    visible = visible.cpu()
+    # the thresholds where the call's tensors are; the brute force and the comparison on the CPU
+    options = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+               for name, value in options.items()}
+    q, k = torch.empty(B, SQ, H, 8, device=DEVICE), torch.empty(B, SK, HK, 8, device=DEVICE)
+    pairs = topk_thresholds(q, k, topk, scores.to(DEVICE), chunk_size=7, **options)
+    pairs = type(pairs)(pairs.threshold.cpu(), pairs.last_tie.cpu())
     expected = brute_force_topk(spread_heads(scores, H), visible, topk)
     assert torch.equal(kept_by_pairs(scores, pairs, visible), expected)
     assert torch.equal(expected.sum(-1), visible.sum(-1).clamp(max=topk))
