@@ -194,6 +194,10 @@ DECODE_PAGED_EXTRA_STAGES = 2
 # packed rows per program at most: more rows are more programs along the grid's row axis;
 # not yet measured. Head dim 256 at 64 rows spilled (ptxas, sm_90a: 255 registers, 32 bytes)
 DECODE_MAX_BLOCK_M = {32: 64, 64: 64, 128: 64, 256: 32}
+# packed rows x keys per tile at most: the [rows, keys] pointer tiles of a mask and a bias per
+# query head cost registers (D64 at 32 rows x 128 keys, paged, mask + bias + softcap + window:
+# 255 registers, 24 bytes spilled; ptxas, sm_90a); timings not yet measured
+DECODE_MAX_TILE_ELEMENTS = 16 * 128
 # resident programs per SM the split count aims to fill, in whole waves; not yet measured
 DECODE_PROGRAMS_PER_SM = 2
 # keys per split at least: each split costs a partial write and a share of the combine;
@@ -219,10 +223,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, rows: int,
     key = max(32, padded_head_dim(head_dim))
     cfg = _DECODE[key]
     block_m = min(max(16, next_power_of_2(rows)), DECODE_MAX_BLOCK_M[key])
+    block_n = min(cfg.block_n, max(16, DECODE_MAX_TILE_ELEMENTS // block_m))
     stages = cfg.num_stages + (DECODE_PAGED_EXTRA_STAGES if paged else 0)
-    if dtype == torch.float32:  # IEEE dots: half the keys per tile keeps registers in budget
-        return DecodeConfig(block_m, max(16, cfg.block_n // 2), cfg.num_warps, stages - 1)
-    return DecodeConfig(block_m, cfg.block_n, cfg.num_warps, stages)
+    if dtype == torch.float32:
+        # IEEE dots: half the keys on twice the warps (D128 at 32 keys, 4 warps: 255
+        # registers, 464 bytes spilled; 8 warps: 64 registers; ptxas, sm_90a)
+        return DecodeConfig(block_m, max(16, block_n // 2), 2 * cfg.num_warps, stages - 1)
+    return DecodeConfig(block_m, block_n, cfg.num_warps, stages)
 
 
 def decode_splits(programs: int, key_tiles: int, block_n: int, sm_count: int | None) -> int:
