@@ -3,6 +3,7 @@ on any machine: no GPU needed (Triton compiles for a named target; its bundled p
 
     python benchmarks/kernel_resources.py --kernel bwd --causal --bwd-tiles 64,128,128,64,8,3
     python benchmarks/kernel_resources.py --kernel gluon-bwd --seqlen 256 --mask --bias full
+    python benchmarks/kernel_resources.py --kernel decode --heads-k 4 --page-size 256 --bias key
 
 The launchers run on CPU tensors with the kernel launch replaced by a compile, so the kernels
 get exactly the constexprs and specialisations a GPU call of that shape would give them. The
@@ -36,11 +37,12 @@ from omniattn.backends.gluon_sm90 import backward_wide as bwd_hopper_wide
 from omniattn.backends.gluon_sm90 import configs as gluon_configs
 from omniattn.backends.gluon_sm90 import forward as fwd_hopper
 from omniattn.backends.triton import configs
+from omniattn.backends.triton import decode
 from omniattn.backends.triton import forward as fwd
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs, TileLists
-from omniattn.kernels.sequences import PackedSequences
-from omniattn.passes import attention_backward, attention_forward
+from omniattn.kernels.sequences import PackedSequences, PagedKeys
+from omniattn.passes import attention_backward, attention_forward, decode_forward
 from omniattn.predicate import FULL, PARTIAL
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -191,9 +193,32 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
                                schedule, masks, bias, dbias, *lengths, sequences)
 
 
+def _decode_call(q: torch.Tensor, k: torch.Tensor, args: KernelArgs, query_rows: int,
+                 page_size: int | None, mask: bool, bias_form: str | None) -> None:
+    """Split-KV decoding's launcher on CPU tensors: `query_rows` rows per sequence over k's
+    keys, from pages of `page_size` keys if given; a key mask (B, 1, 1, Sk) with `mask`, a key
+    bias (B, Hk, 1, Sk) with bias_form "key"; an H100's 132 SMs choose the split."""
+    batch, seqlen, heads_k, head_dim = k.shape
+    decode.sm_count = lambda device: 132
+    if bias_form not in (None, "key"):
+        raise SystemExit("split-KV decoding is timed here with a key bias only")
+    heads = q.shape[2]
+    masks = Elementwise.of(torch.ones(batch, 1, 1, seqlen, dtype=torch.bool), heads) \
+        if mask else None
+    bias = Elementwise.of(torch.randn(batch, heads_k, 1, seqlen, dtype=q.dtype), heads) \
+        if bias_form else None
+    paged = None
+    if page_size is not None:
+        table = torch.arange(batch * seqlen // page_size, dtype=torch.int32).view(batch, -1)
+        paged = PagedKeys(table, torch.full((batch,), seqlen, dtype=torch.int32), page_size,
+                          seqlen)
+        k = k.reshape(-1, page_size, heads_k, head_dim)
+    decode_forward(q[:, :query_rows], k, k, args, mask=masks, bias=bias, paged=paged)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("fwd", "bwd", "gluon-fwd", "gluon-bwd"),
+    parser.add_argument("--kernel", choices=("fwd", "bwd", "gluon-fwd", "gluon-bwd", "decode"),
                         default="bwd")
     parser.add_argument("--mask", action="store_true",
                         help="a bool element mask spanning (Sq, Sk)")
@@ -212,6 +237,9 @@ def main() -> None:
     parser.add_argument("--heads-k", type=int, default=16, help="of 16 query heads (GQA below 16)")
     parser.add_argument("--bwd-tiles", help="m1,n1,m2,n2,warps,stages[,atomic_dq[,dkdv_apart]] "
                         "(flags 0 / 1) in place of the config")
+    parser.add_argument("--query-rows", type=int, default=1,
+                        help="decode: query rows per sequence (--seqlen: its cached keys)")
+    parser.add_argument("--page-size", type=int, help="decode: keys from pages of this size")
     parser.add_argument("--cubin", metavar="PATH", help="write the cubin (cuobjdump -sass it)")
     opts = parser.parse_args()
     if opts.bwd_tiles:
@@ -230,7 +258,8 @@ def main() -> None:
     lse = torch.zeros(2, 16, opts.seqlen)
     reports: list[dict] = []
     with launches_compiled({"_fwd_kernel", "bwd_kernel", "_fwd_hopper_kernel",
-                            "_bwd_hopper_kernel", "_bwd_wide_kernel"}, reports):
+                            "_bwd_hopper_kernel", "_bwd_wide_kernel", "decode_split_kernel",
+                            "decode_combine_kernel"}, reports):
         if opts.kernel == "fwd":
             mask, bias = _elementwise(q, opts.mask, opts.bias)
             attention_forward(q, k, v, args, mask=mask, bias=bias)
@@ -238,6 +267,8 @@ def main() -> None:
             mask, bias = _elementwise(q, opts.mask, opts.bias)
             attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
                                bias_grad=bias is not None)
+        elif opts.kernel == "decode":
+            _decode_call(q, k, args, opts.query_rows, opts.page_size, opts.mask, opts.bias)
         else:
             _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
                         opts.row_lengths, opts.packed)

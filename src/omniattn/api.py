@@ -2,24 +2,27 @@
 plan asks for, launch."""
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import NamedTuple
 
 import torch
 
-from .autograd import (attention_with_graph, backward_from_output, forward_parts,
-                       kernel_inputs, records_graph, triton_attention)
+from .autograd import (attention_with_graph, backward_from_output, decode_attention,
+                       decode_inputs, forward_parts, kernel_inputs, records_graph,
+                       triton_attention)
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
-from .kernels.sequences import PackedSequences, length_order
-from .plan import (CallForm, CallPlan, ListTiles, groups_rows_by_length, plan_call,
-                   reference_plan, topk_refusal, uses_kernels)
-from .reference import attention_reference, reference_backward
+from .kernels.sequences import PackedSequences, PagedKeys, length_order
+from .passes import DECODE_FORWARD
+from .plan import (PER_SEQUENCE, REFERENCE, CallForm, CallPlan, ListTiles,
+                   groups_rows_by_length, plan_call, reference_plan, topk_refusal, uses_kernels)
+from .reference import attention_reference, per_sequence, reference_backward
 from .runtime import call_plans
 from .schedules import build_schedule, kernel_block_mask
 from .validation import (MASK_DTYPES, SUPPORTED_DTYPES, check_block_mask, check_elementwise,
-                         check_gradient_inputs, check_options, check_packed, check_qkv,
-                         check_row_lens, check_topk, known_checked)
+                         check_gradient_inputs, check_options, check_packed, check_paged,
+                         check_qkv, check_row_lens, check_topk, known_checked)
 
 DROPOUT_LEVELS = 2 ** 16  # the kernels' dropout draws are 16-bit
 
@@ -47,8 +50,11 @@ def attention(
     check_inputs: bool = True,
     topk: int | None = None,
     topk_scores: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ):
-    """Exact attention with every mask on one kernel core, forward and backward.
+    """Exact attention with every mask on one kernel core, forward and backward. A forward with
+    a few query rows per sequence (decoding) and no gradient runs split-KV decoding.
 
     Args:
         q: (B, Sq, H, D); k, v: (B, Sk, Hk, D) with H % Hk == 0 (GQA/MQA). fp16, bf16 or fp32,
@@ -86,10 +92,12 @@ def attention(
             GPU ones today); `omniattn.explain` says which backward a call takes.
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
-        check_inputs: validate the values of cu_seqlens_* and seqlens_k_per_row (this syncs with
-            the host). Pass False under CUDA-graph capture; out-of-range values then cannot
-            fault (lengths clamp to [0, Sk]) but give unspecified results. Packed calls replay
-            call plans only unchecked, with max_seqlen_q / max_seqlen_k given.
+        check_inputs: validate the values of cu_seqlens_*, seqlens_k_per_row, seqused_k and
+            the block table's used entries (this syncs with the host). Pass False under
+            CUDA-graph capture; out-of-range lengths then cannot fault (they clamp to
+            [0, Sk]) but give unspecified results; block-table entries outside the pages are
+            read out of bounds, as in FlashAttention. Packed calls replay call plans only unchecked, with
+            max_seqlen_q / max_seqlen_k given.
         topk: each query row keeps only the `topk` keys of largest topk_scores among the keys
             every other mask lets it see (ties to the lower key index); a row seeing at most
             topk keys keeps them all. Every backend applies this rule; today the reference runs
@@ -97,6 +105,16 @@ def attention(
         topk_scores: fp16/bf16/fp32 scores laid out like attn_bias (its default), broadcast and
             never expanded; they select only: no gradient reaches them (the bias still gets
             its own). A NaN score ranks above +inf (it is kept and shows in the output).
+        block_table: int32 (B, max_pages_per_seq): k and v are pages (num_pages, page_size,
+            Hk, D), page_size a multiple of 16, and sequence b's keys are pages
+            block_table[b, 0], block_table[b, 1], ... in that order: it holds
+            max_pages_per_seq x page_size keys, the key dim of attn_mask / attn_bias.
+        seqused_k: int32 (B,): sequence b uses its first seqused_k[b] keys (the pages' or a
+            contiguous k's); causal and window align to them (bottom-right: the last query row
+            sees key seqused_k[b] - 1). Without a block table k/v stay (B, Sk, Hk, D).
+            With few query rows and no gradient these run split-KV decoding, which reads the
+            pages in place; otherwise each sequence's used keys are gathered into contiguous
+            K/V (seqused_k read on the host) and run apart (`explain` says which).
 
     Returns:
         out like q, in q's dtype (0 on rows that see no key), or (out, lse).
@@ -120,21 +138,26 @@ def attention(
         plain_layout and check_inputs is True and known_checked(seqlens_k_per_row, k))
     checks = check_inputs if seqlens_k_per_row is None or not unread_lengths or not plain_layout \
         else False
+    # pages or spare keys: their values are read unless unchecked, and only their forward
+    # without a graph goes through call plans (a graph's forward is planned per sequence)
+    paged = block_table is not None or seqused_k is not None
 
     def call(graph_parts: bool = False):
         return _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias,
                           block_mask, seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
-                          checks, topk, topk_scores, graph_parts)
+                          checks, topk, topk_scores, block_table, seqused_k, graph_parts)
 
     if block_mask is None and topk is None and unread_lengths and (plain_layout or unread_offsets) \
-            and isinstance(dropout_p, (int, float)) and dropout_p == 0:
-        inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row)
+            and isinstance(dropout_p, (int, float)) and dropout_p == 0 \
+            and (not paged or check_inputs is False):
+        inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row,
+                  block_table, seqused_k)
         graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, checks,
                                             max_seqlen_q, max_seqlen_k))
-        if key is not None:
+        if key is not None and not (graph and paged):
             if not graph:
                 return call_plans.run(key, inputs, call)
             # the forward's work (validation and schedule included) planned inside the Function
@@ -159,15 +182,16 @@ class _Prepared(NamedTuple):
     lists: ListTiles | None
     row_lens: torch.Tensor | None  # normalised (B, Sq) or packed (total_q,)
     packed: PackedSequences | None
+    paged: PagedKeys | None
 
 
 def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
              seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             dropout_p, deterministic, return_lse, check_inputs, topk, topk_scores,
-             graph_parts) -> _Prepared:
+             dropout_p, deterministic, return_lse, check_inputs, topk, topk_scores, block_table,
+             seqused_k, graph_parts) -> _Prepared:
     """Validate a call (errors before anything is computed) and plan it."""
     packed_layout = cu_seqlens_q is not None or cu_seqlens_k is not None
-    check_qkv(q, k, v, packed_layout)
+    check_qkv(q, k, v, packed_layout, paged=block_table is not None)
     check_options(causal, window, softmax_scale, softcap, dropout_p)
     for name, flag in (("deterministic", deterministic), ("return_lse", return_lse),
                        ("check_inputs", check_inputs)):
@@ -180,22 +204,28 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
     elif max_seqlen_q is not None or max_seqlen_k is not None:
         raise ValueError("max_seqlen_q / max_seqlen_k belong to packed inputs: pass them with "
                          "cu_seqlens_q and cu_seqlens_k")
+    paged, keys = None, k  # keys: what masks and lengths are checked against
+    if block_table is not None or seqused_k is not None:
+        paged = check_paged(q, k, block_table, seqused_k, packed_layout, check_inputs)
+        keys = paged.logical_keys(q, k)
+        if block_mask is not None:
+            raise ValueError("block_mask with block_table / seqused_k is not supported yet")
     if block_mask is not None:
         check_block_mask(block_mask, q, k, packed)
     if attn_mask is not None:
-        check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, k, packed)
+        check_elementwise("attn_mask", attn_mask, MASK_DTYPES, q, keys, packed)
     if attn_bias is not None:
-        check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, k, packed)
-    check_topk(topk, topk_scores, attn_bias, q, k, packed)
+        check_elementwise("attn_bias", attn_bias, SUPPORTED_DTYPES, q, keys, packed)
+    check_topk(topk, topk_scores, attn_bias, q, keys, packed)
     row_lens = None
     if seqlens_k_per_row is not None:
-        row_lens = check_row_lens(seqlens_k_per_row, q, k, packed, check_inputs)
+        row_lens = check_row_lens(seqlens_k_per_row, q, keys, packed, check_inputs)
     backward_needed = graph_parts or records_graph(q, k, v, attn_bias)
     if not uses_kernels(q):
-        return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed)
+        return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed, paged)
     if topk is not None:
         return _Prepared(reference_plan(q, backward_needed, topk_refusal(q)), None, None,
-                         row_lens, packed)
+                         row_lens, packed, paged)
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     # per-row key lengths alone: each batch's rows in length order, key ranges from the lengths
     row_order = row_lens is not None and not args.masked and packed is None \
@@ -208,9 +238,9 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
         bias_grad=attn_bias is not None and attn_bias.requires_grad and backward_needed,
         row_lens=row_lens, row_order=row_order, packed=packed,
         block_mask=kernel_block_mask(block_mask, args, attn_mask, row_lens, packed),
-        dropout=dropout_p > 0, deterministic=deterministic)
+        dropout=dropout_p > 0, deterministic=deterministic, paged=paged)
     plan, lists = plan_call(form, backward_needed)
-    return _Prepared(plan, form, lists, row_lens, packed)
+    return _Prepared(plan, form, lists, row_lens, packed, paged)
 
 
 def explain(q, k, v, **options) -> CallPlan:
@@ -230,13 +260,28 @@ def explain(q, k, v, **options) -> CallPlan:
 def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
                seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                dropout_p, deterministic, return_lse, check_inputs, topk=None, topk_scores=None,
-               graph_parts=False):
+               block_table=None, seqused_k=None, graph_parts=False):
     """`attention` past its call plans (arguments in its order). graph_parts: the forward of a
     call recording a graph, as attention_with_graph's forward gives it (see forward_parts)."""
-    plan, form, lists, row_lens, packed = _prepare(
+    plan, form, lists, row_lens, packed, paged = _prepare(
         q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bias, block_mask,
         seqlens_k_per_row, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        deterministic, return_lse, check_inputs, topk, topk_scores, graph_parts)
+        deterministic, return_lse, check_inputs, topk, topk_scores, block_table, seqused_k,
+        graph_parts)
+    if paged is not None and plan.forward.kernel in (REFERENCE, PER_SEQUENCE):
+        # the reference, or an ordinary call, per sequence
+        options = dict(causal=causal, window=window, softmax_scale=softmax_scale,
+                       softcap=float(softcap), dropout_p=float(dropout_p), topk=topk)
+        attend = functools.partial(attention_reference, **options) if form is None else \
+            functools.partial(attention, deterministic=deterministic, check_inputs=False,
+                              **options)
+        out, lse = per_sequence(attend, q, k, v, paged.block_table, paged.seqused_k,
+                                attn_mask, attn_bias, row_lens, topk_scores)
+        return (out, lse) if return_lse else out
+    if plan.forward.kernel == DECODE_FORWARD:
+        out, lse = decode_attention(decode_inputs(q, k, v, form.args, attn_mask, attn_bias,
+                                                  row_lens, paged))
+        return (out, lse) if return_lse else out
     if form is None:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
                                        softmax_scale=softmax_scale, softcap=float(softcap),
@@ -299,7 +344,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         raise TypeError(f"attention_backward() got unexpected keyword arguments "
                         f"{sorted(unknown)}; it takes attention's: {', '.join(_OPTIONS)}")
     values = {**_OPTIONS, **options}
-    plan, form, lists, row_lens, packed = _prepare(q, k, v, *values.values(), graph_parts=True)
+    plan, form, lists, row_lens, packed, paged = _prepare(q, k, v, *values.values(),
+                                                          graph_parts=True)
+    if paged is not None:
+        raise NotImplementedError("attention_backward with block_table / seqused_k is not "
+                                  "supported: gather each sequence's keys first")
     check_gradient_inputs(dout, out, lse, dlse, q, values["dropout_p"])
     attn_bias = values["attn_bias"]
     bias_grad = attn_bias is not None and attn_bias.requires_grad

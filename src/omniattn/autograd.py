@@ -1,6 +1,7 @@
 """Forward and backward registered as torch custom ops (with fake implementations), joined by
 torch.library.register_autograd: traceable by torch.compile(fullgraph=True). Eager calls on plain
-tensors take the same implementations through an autograd.Function (no dispatcher hops)."""
+tensors take the same implementations through an autograd.Function (no dispatcher hops).
+Split-KV decoding is a forward-only op of its own (`decode_attention`)."""
 from __future__ import annotations
 
 import functools
@@ -10,8 +11,8 @@ import torch
 
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs, Schedule
-from .kernels.sequences import PackedSequences, lse_shape
-from .passes import attention_backward, attention_forward
+from .kernels.sequences import PackedSequences, PagedKeys, lse_shape
+from .passes import attention_backward, attention_forward, decode_forward
 from .runtime import call_plans
 
 
@@ -305,3 +306,72 @@ def triton_attention(call: ForwardCall):
         # Python (CPU, launches mocked: 233 -> 203 us)
         return _forward_impl(*call)
     return attention_with_graph(q, k, v, attn_mask, attn_bias, lambda: forward_parts(call))
+
+
+class DecodeCall(NamedTuple):
+    """The decode op's arguments, in its schema's order: pages or spare keys as their block
+    table (page_size: k's second dim when given) and seqused_k; seqlen_k: the keys a sequence
+    holds."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    attn_bias: torch.Tensor | None
+    row_lens: torch.Tensor | None
+    seqlen_k: int
+    softmax_scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+
+
+def _decode_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
+    seqused_k: torch.Tensor | None, attn_mask: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, seqlen_k: int,
+    softmax_scale: float, softcap: float, window_left: int, window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a `DecodeCall`."""
+    args = KernelArgs(softmax_scale, softcap, window_left, window_right)
+    heads = q.shape[-2]
+    paged = None
+    if block_table is not None or seqused_k is not None:
+        page_size = k.shape[1] if block_table is not None else 0
+        paged = PagedKeys(block_table, seqused_k, page_size, seqlen_k)
+    return decode_forward(
+        q, k, v, args, mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
+        bias=Elementwise.of(attn_bias, heads) if attn_bias is not None else None,
+        row_lens=row_lens, paged=paged)
+
+
+attention_decode_op = torch.library.custom_op("omniattn::attention_decode", _decode_impl,
+                                              mutates_args=())
+
+
+@attention_decode_op.register_fake
+def _(q, k, v, block_table, seqused_k, attn_mask, attn_bias, row_lens, seqlen_k, softmax_scale,
+      softcap, window_left, window_right):
+    return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
+
+
+def decode_inputs(q, k, v, args: KernelArgs, attn_mask: torch.Tensor | None = None,
+                  attn_bias: torch.Tensor | None = None, row_lens: torch.Tensor | None = None,
+                  paged: PagedKeys | None = None) -> DecodeCall:
+    """The decode op's call: q (B, Sq, H, D), k/v (B, Sk, Hk, D) or pages with `paged`; row_lens
+    normalised (B, Sq)."""
+    table, used = (paged.block_table, paged.seqused_k) if paged is not None else (None, None)
+    seqlen_k = paged.seqlen_k if paged is not None else k.shape[1]
+    return DecodeCall(q, k, v, table, used, attn_mask, attn_bias, row_lens, seqlen_k,
+                      args.softmax_scale, args.softcap, args.window_left, args.window_right)
+
+
+def decode_attention(call: DecodeCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of split-KV decoding, forward only (the plan gives it no call that records a
+    graph): through the op where tracing or transforms need it, else straight."""
+    if torch.compiler.is_compiling() or type(call.q) is not torch.Tensor \
+            or torch._C._are_functorch_transforms_active():
+        return attention_decode_op(*call)
+    return _decode_impl(*call)

@@ -1,10 +1,10 @@
 """Each pass of a call on the kernels the plan names (plan.py): what every kernel of the pass
 needs first, then that kernel's launcher in its backend (backends/triton, backends/gluon_sm90).
-The forward: its outputs and the calls with nothing to compute. The backward: the preprocess
-(delta = rowsum(dO * O) - dlse, the length order's copies, for the Gluon kernels lse / scale
-beside delta and dQ's fp32 sums; one Triton kernel for both backends), the dbias buffer and
-its reduction to the bias's shape, and the exact gradient of a bias with one column for all
-keys."""
+The forward: its outputs and the calls with nothing to compute (split-KV decoding's too). The
+backward: the preprocess (delta = rowsum(dO * O) - dlse, the length order's copies, for the
+Gluon kernels lse / scale beside delta and dQ's fp32 sums; one Triton kernel for both
+backends), the dbias buffer and its reduction to the bias's shape, and the exact gradient of a
+bias with one column for all keys."""
 from __future__ import annotations
 
 import torch
@@ -16,17 +16,19 @@ from .backends.gluon_sm90.configs import hopper_backward_config
 from .backends.gluon_sm90.forward import hopper_forward
 from .backends.triton.backward import triton_backward
 from .backends.triton.backward_kernels import bwd_preprocess
+from .backends.triton.decode import triton_decode
 from .backends.triton.forward import triton_forward
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import BlockBits, KernelArgs, Schedule, TileLists
-from .kernels.sequences import (PackedSequences, batch_shape, broadcast_strides, check_row_order,
-                                lse_shape, lse_strides, packed_operands, placeholder, row_strides,
-                                tma_compatible)
+from .kernels.sequences import (PackedSequences, PagedKeys, batch_shape, broadcast_strides,
+                                check_row_order, lse_shape, lse_strides, packed_operands,
+                                placeholder, row_strides, tma_compatible)
 from .kernels.sizes import cdiv, padded_head_dim
 from .runtime.launch import launch
 
 GLUON_FORWARD, TRITON_FORWARD = "fwd_hopper", "fwd"  # the kernels a plan names
 GLUON_BACKWARD, GLUON_BACKWARD_WIDE, TRITON_BACKWARD = "bwd_hopper", "bwd_hopper_wide", "bwd"
+DECODE_FORWARD = "fwd_decode"  # split-KV decoding, forward only
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
@@ -249,3 +251,17 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                                  if bias_grad else None, row_lens, packed, dropout, deterministic,
                                  row_order)
     return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
+
+
+def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
+                   mask: Elementwise | None = None, bias: Elementwise | None = None,
+                   row_lens: torch.Tensor | None = None, paged: PagedKeys | None = None,
+                   num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decoding's forward (DECODE_FORWARD): q (B, Sq, H, D); k/v (B, Sk, Hk, D), or
+    pages (num_pages, page_size, Hk, D) with `paged` -> out like q, lse (B, H, Sq) float32;
+    the rest as backends/triton/decode.py's triton_decode takes it."""
+    out = torch.empty_like(q)
+    lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
+    if out.numel():
+        triton_decode(q, k, v, args, out, lse, mask, bias, row_lens, paged, num_splits)
+    return out, lse

@@ -3,10 +3,13 @@ over which schedule, and why each faster candidate was refused. One place decide
 builds its lists at the plan's tiles and the launchers launch the kernels it names;
 `omniattn.explain` prints it without launching anything.
 
-Candidates, fastest first: on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
+Candidates, fastest first: split-KV decoding (`fwd_decode`) for a forward with a few query
+rows per sequence and no gradient; on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
 `bwd_hopper`, `bwd_hopper_wide` at head dims it splits), else the Triton kernels (`fwd`, `bwd`);
 CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels;
-top-k calls take it on every device until the kernels read row thresholds.
+top-k calls take it on every device until the kernels read row thresholds. Paged or partly used
+keys (`block_table`, `seqused_k`) that split-KV does not take run `per_sequence`: each
+sequence's keys gathered (or sliced) and attended as a contiguous call.
 """
 from __future__ import annotations
 
@@ -20,12 +23,13 @@ from .backends.gluon_sm90.configs import (hopper_backward_config, hopper_backwar
                                           hopper_forward_config)
 from .backends.gluon_sm90.forward import hopper_forward_refusal
 from .backends.triton.backward import backward_tiles
-from .backends.triton.configs import backward_config, forward_config
+from .backends.triton.configs import (DECODE_MAX_QUERY_ROWS, backward_config, decode_config,
+                                      forward_config)
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
-from .kernels.sequences import PackedSequences, tma_compatible
-from .passes import (GLUON_BACKWARD, GLUON_BACKWARD_WIDE, GLUON_FORWARD, TRITON_BACKWARD,
-                     TRITON_FORWARD)
+from .kernels.sequences import PackedSequences, PagedKeys, tma_compatible
+from .passes import (DECODE_FORWARD, GLUON_BACKWARD, GLUON_BACKWARD_WIDE, GLUON_FORWARD,
+                     TRITON_BACKWARD, TRITON_FORWARD)
 from .predicate import RelativePredicate
 from .runtime.switches import interpreting, tma_enabled
 
@@ -103,6 +107,7 @@ class CallForm:
     dropout: bool = False
     deterministic: bool = False
     given_lists: bool = False  # lists built by the caller (the launchers' own tests)
+    paged: PagedKeys | None = None  # block_table / seqused_k: k and v hold pages or spare keys
 
     @property
     def full_bias(self) -> bool:
@@ -329,8 +334,70 @@ def reference_plan(q: torch.Tensor, backward_needed: bool, reason: str | None = 
     return CallPlan(reference, reference, backward_needed)
 
 
+PER_SEQUENCE = "per_sequence"  # paged / partly used keys, one contiguous call per sequence
+
+
+def decode_refusal(form: CallForm, backward_needed: bool) -> str | None:
+    """Why split-KV decoding does not run this call's forward (None: it does)."""
+    if form.packed is not None:
+        return "packed sequences (cu_seqlens)"
+    seqlen_q = form.q.shape[1]
+    if seqlen_q > DECODE_MAX_QUERY_ROWS:
+        return f"{seqlen_q} query rows per sequence, more than {DECODE_MAX_QUERY_ROWS} (the " \
+            f"forward's query tiles fill the GPU)"
+    if backward_needed:
+        return "the call records a gradient (split-KV decoding is forward only)"
+    if form.block_mask is not None:
+        return "a block mask (its lists are per query tile; split-KV walks each sequence's keys)"
+    if form.dropout:
+        return "dropout"
+    return None
+
+
+def _decode_pass(form: CallForm) -> PassPlan:
+    batch, seqlen_q, num_heads, head_dim = form.q.shape
+    group = num_heads // form.k.shape[2]
+    paged = form.paged
+    cfg = decode_config(head_dim, form.q.dtype, seqlen_q * group,
+                        paged is not None and paged.page_size > 0)
+    source = f"pages of {paged.page_size} keys through the block table" \
+        if paged is not None and paged.page_size else "a contiguous cache"
+    used = ", the first seqused_k of each sequence" if paged is not None \
+        and paged.seqused_k is not None else ""
+    return PassPlan(DECODE_FORWARD, f"split-KV: each (batch, KV head)'s keys split over "
+                    f"programs, partial outputs merged by their LSE; {group} query heads x "
+                    f"{seqlen_q} rows packed per tile; K/V from {source}{used}",
+                    (cfg.block_m, cfg.block_n))
+
+
+def _per_sequence_pass(form: CallForm, refused: tuple[Refusal, ...] = ()) -> PassPlan:
+    how = "gathered from its pages" if form.paged.page_size else "sliced (a view)"
+    return PassPlan(PER_SEQUENCE, f"each sequence's used keys {how} into contiguous K/V "
+                    f"(seqused_k read on the host), then attended as a contiguous call with "
+                    f"its own plan (omniattn.explain of that call)", refused=refused)
+
+
+def _with_refusal(pass_plan: PassPlan, refusal: Refusal) -> PassPlan:
+    return PassPlan(pass_plan.kernel, pass_plan.schedule, pass_plan.tiles,
+                    (refusal, *pass_plan.refused))
+
+
 def plan_call(form: CallForm, backward_needed: bool) -> tuple[CallPlan, ListTiles | None]:
     """The plan of a call on the kernels (`uses_kernels`), and the tiles its explicit lists are
-    built at (None: implicit)."""
+    built at (None: implicit, or a kernel that builds none). Split-KV decoding where it applies;
+    a call with pages or spare keys it refuses runs per sequence."""
+    refusal = decode_refusal(form, backward_needed)
+    if form.paged is not None:
+        backward = _per_sequence_pass(form)
+        if refusal is None:
+            return CallPlan(_decode_pass(form), backward, backward_needed), None
+        forward = _per_sequence_pass(form, (Refusal(DECODE_FORWARD, refusal),))
+        return CallPlan(forward, backward, backward_needed), None
     lists = list_tiles(form) if form.explicit else None
-    return CallPlan(forward_pass(form, lists), backward_pass(form, lists), backward_needed), lists
+    backward = backward_pass(form, lists)
+    if refusal is None:  # the lists serve only the backward's description: none are built
+        return CallPlan(_decode_pass(form), backward, backward_needed), None
+    forward = forward_pass(form, lists)
+    if form.q.shape[1] <= DECODE_MAX_QUERY_ROWS:  # decode-shaped: say why not split-KV
+        forward = _with_refusal(forward, Refusal(DECODE_FORWARD, refusal))
+    return CallPlan(forward, backward, backward_needed), lists

@@ -18,6 +18,7 @@ from an output and lse given (those of a larger softmax this call is part of) th
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from .predicate import (RelativePredicate, RowThresholds, order_keys, row_length_keep,
                         select_thresholds, selection_heads, topk_keep)
 
-__all__ = ["attention_reference", "reference_backward", "topk_thresholds"]
+__all__ = ["attention_reference", "paged_reference", "reference_backward", "topk_thresholds"]
 
 
 def _as_5d(t: torch.Tensor, num_heads_k: int, group: int) -> torch.Tensor:
@@ -424,3 +425,75 @@ def _thresholds(seqlen_q, seqlen_k, num_heads, num_heads_k, heads, topk, scores,
         empty = torch.empty(batch, heads, 0, dtype=torch.int32, device=scores.device)
         return empty, empty
     return tuple(torch.cat(p, dim=-1) for p in zip(*pairs))
+
+
+def sequence_keys(k: torch.Tensor, block_table: torch.Tensor | None, batch: int,
+                  used: int) -> torch.Tensor:
+    """(1, used, Hk, D): the first `used` keys (or values) of sequence `batch`, gathered from
+    its pages (block_table given: k is (num_pages, page_size, Hk, D)) or a view of a contiguous
+    (B, Sk, Hk, D) k. Differentiable."""
+    if block_table is None:
+        return k[batch:batch + 1, :used]
+    pages = block_table[batch, :-(-used // k.shape[1])].long()
+    return k[pages].reshape(1, -1, *k.shape[2:])[:, :used]
+
+
+def sequence_masks(batch: int, used: int, attn_mask, attn_bias, seqlens_k_per_row,
+                   topk_scores=None) -> tuple:
+    """(mask, bias, lengths, top-k scores) of sequence `batch` on its first `used` keys: masks,
+    biases and scores (B|1, Hm, Sq|1, Sk|1) cut to (1, Hm, Sq|1, used|1) (views), per-row
+    lengths (B, Sq) to (1, Sq)."""
+    def cut(t):
+        if t is None:
+            return None
+        rows = t[batch:batch + 1] if t.shape[0] != 1 else t
+        return rows[..., :used] if rows.shape[-1] != 1 else rows
+
+    lens = None if seqlens_k_per_row is None else seqlens_k_per_row[batch:batch + 1]
+    return cut(attn_mask), cut(attn_bias), lens, cut(topk_scores)
+
+
+def per_sequence(attend, q, k, v, block_table, seqused_k, attn_mask=None, attn_bias=None,
+                 seqlens_k_per_row=None, topk_scores=None):
+    """(out, lse) of paged or partly used keys, one sequence at a time: attend(q_b, k_b, v_b,
+    attn_mask=, attn_bias=, seqlens_k_per_row=, topk_scores=, return_lse=True) on each
+    sequence's rows, its first seqused_k[b] keys (read on the host; None: every key it holds)
+    gathered from its pages or sliced from k / v, and its rows of the masks, scores and
+    lengths. Shapes as paged_reference's."""
+    batch, seqlen_q, num_heads, _ = q.shape
+    capacity = k.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    used = seqused_k.tolist() if seqused_k is not None else [capacity] * batch
+    if seqlens_k_per_row is not None:
+        seqlens_k_per_row = seqlens_k_per_row.reshape(batch, seqlen_q)
+    outs, lses = [], []
+    for b, n in enumerate(used):
+        n = min(max(n, 0), capacity)
+        mask, bias, lens, scores = sequence_masks(b, n, attn_mask, attn_bias, seqlens_k_per_row,
+                                                  topk_scores)
+        out, lse = attend(q[b:b + 1], sequence_keys(k, block_table, b, n),
+                          sequence_keys(v, block_table, b, n), attn_mask=mask, attn_bias=bias,
+                          seqlens_k_per_row=lens, topk_scores=scores, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:  # no sequence
+        return torch.empty_like(q), q.new_empty((0, num_heads, seqlen_q), dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def paged_reference(q, k, v, block_table=None, seqused_k=None, *, attn_mask=None,
+                    attn_bias=None, seqlens_k_per_row=None, topk_scores=None, return_lse=False,
+                    **options):
+    """Exact attention over paged or partly used keys.
+
+    q (B, Sq, H, D); k/v pages (num_pages, page_size, Hk, D) that block_table (int32
+    (B, max_pages)) lists per sequence, or (B, Sk, Hk, D) without a block table; sequence b
+    uses its first seqused_k[b] keys (int32 (B,), read on the host; None: every key it holds),
+    and causal / window align to them (bottom-right). attn_mask / attn_bias broadcast to
+    (B, Hm, Sq, max_pages x page_size (or Sk)), topk_scores too; seqlens_k_per_row (B, Sq).
+    Each sequence's keys are gathered alone (O(its keys) memory) and run through
+    attention_reference with `options` (its keywords). Returns out, and lse (B, H, Sq) if
+    return_lse."""
+    out, lse = per_sequence(functools.partial(attention_reference, **options), q, k, v,
+                            block_table, seqused_k, attn_mask, attn_bias, seqlens_k_per_row,
+                            topk_scores)
+    return (out, lse) if return_lse else out

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .kernels.sequences import PackedSequences, batch_shape, lse_shape
+from .kernels.sequences import PackedSequences, PagedKeys, batch_shape, lse_shape
 from .masks.block_mask import BlockMask
 from .predicate import check_window
 
@@ -20,7 +20,8 @@ def describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def check_qkv(q, k, v, packed: bool) -> None:
+def check_qkv(q, k, v, packed: bool, paged: bool = False) -> None:
+    """paged: k/v are pages (num_pages, page_size, Hk, D), not one row of keys per sequence."""
     dims, layout = (3, "(total, heads, head_dim) with cu_seqlens_q/k") if packed else \
         (4, "(batch, seqlen, heads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -41,7 +42,7 @@ def check_qkv(q, k, v, packed: bool) -> None:
         kv_layout = "(total_k, Hk, D)" if packed else "(B, Sk, Hk, D)"
         raise ValueError(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} "
                          f"and v {tuple(v.shape)}")
-    if not packed and k.shape[0] != q.shape[0]:
+    if not packed and not paged and k.shape[0] != q.shape[0]:
         raise ValueError(f"k has batch size {k.shape[0]} but q has {q.shape[0]}")
     if k.shape[-1] != head_dim:
         raise ValueError(f"k/v have head_dim {k.shape[-1]} but q has {head_dim}")
@@ -268,3 +269,66 @@ def check_gradient_inputs(dout, out, lse, dlse, q, dropout_p) -> None:
     if dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 in attention_backward, got {dropout_p!r}: the "
                          f"dropped elements are drawn by the forward that ran")
+
+
+def check_paged(q, k, block_table, seqused_k, packed: bool, check_inputs: bool) -> PagedKeys:
+    """block_table: int32 (B, max_pages_per_seq) on q's device, k/v then pages (num_pages,
+    page_size, Hk, D) with page_size a multiple of 16; seqused_k: int32 (B,) on q's device.
+    With check_inputs their values are read (a sync): seqused_k within the keys a sequence
+    holds, and the pages each sequence uses listed within [0, num_pages)."""
+    if packed:
+        raise ValueError("block_table / seqused_k take q as (B, Sq, H, D); they do not combine "
+                         "with cu_seqlens_q / cu_seqlens_k")
+    batch = q.shape[0]
+    for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    page_size, seqlen_k = 0, k.shape[1]
+    if block_table is not None:
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected "
+                             f"(B={batch}, max_pages_per_seq)")
+        if block_table.stride(-1) != 1 and block_table.shape[-1] > 1:
+            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
+                             f"{block_table.stride()}")
+        page_size = k.shape[1]
+        if page_size == 0 or page_size % 16:
+            raise ValueError(f"with block_table, k/v are pages (num_pages, page_size, Hk, D) "
+                             f"with page_size a positive multiple of 16; got k {describe(k)}")
+        seqlen_k = block_table.shape[1] * page_size
+    if seqused_k is not None:
+        if tuple(seqused_k.shape) != (batch,):
+            raise ValueError(f"seqused_k has shape {tuple(seqused_k.shape)}; expected (B={batch},)")
+        seqused_k = seqused_k.contiguous()
+    if check_inputs:
+        _check_used_keys(k, block_table, seqused_k, page_size, seqlen_k)
+    return PagedKeys(block_table, seqused_k, page_size, seqlen_k)
+
+
+def _check_used_keys(k, block_table, seqused_k, page_size: int, seqlen_k: int) -> None:
+    """The values of seqused_k and of the block table's used entries (one host read each)."""
+    holds = f"{block_table.shape[1]} pages of {page_size} keys" if block_table is not None \
+        else f"Sk = {seqlen_k}"
+    if seqused_k is not None and seqused_k.numel():
+        bad = (seqused_k < 0) | (seqused_k > seqlen_k)
+        if bool(bad.any()):
+            raise ValueError(f"seqused_k[{int(bad.nonzero()[0, 0])}] lies outside [0, "
+                             f"{seqlen_k}] (a sequence holds {holds}); pass check_inputs=False "
+                             f"to skip this check (it syncs)")
+    if block_table is not None and block_table.numel():
+        pages = block_table.shape[1]
+        used = seqused_k if seqused_k is not None else torch.full_like(block_table[:, 0], seqlen_k)
+        needed = (used + page_size - 1) // page_size
+        listed = torch.arange(pages, device=k.device) < needed[:, None]
+        bad = listed & ((block_table < 0) | (block_table >= k.shape[0]))
+        if bool(bad.any()):
+            batch, slot = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"block_table[{batch}, {slot}] is not a page of k/v (num_pages = "
+                             f"{k.shape[0]}), and sequence {batch} uses it; pass "
+                             f"check_inputs=False to skip this check (it syncs)")

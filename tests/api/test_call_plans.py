@@ -522,3 +522,28 @@ def test_row_lengths_calls_replay_once_checked(monkeypatch, grad):
     lens[0, 0] = 301
     with pytest.raises(ValueError, match="seqlens_k_per_row must lie in"):
         omniattn.attention(q, k, v, seqlens_k_per_row=lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_calls_replay(monkeypatch, paged):
+    """Split-KV decoding, unchecked (nothing read on the host): the third call on replays its
+    allocations and both launches, bit for bit."""
+    paths = _replays(monkeypatch)
+    for call in range(5):
+        q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(64, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        used = torch.randint(1, 4097, (4,), device="cuda", dtype=torch.int32)
+        table = torch.randperm(64, device="cuda").view(4, 16).int() if paged else None
+        if not paged:
+            k, v = k.view(4, 4096, 8, 128), v.view(4, 4096, 8, 128)
+        options = dict(causal=True, block_table=table, seqused_k=used, check_inputs=False)
+        with torch.no_grad():
+            got = omniattn.attention(q, k, v, return_lse=True, **options)
+        expected = api._attention(q, k, v, True, None, None, 0.0, None, None, None, None, None,
+                                  None, None, None, 0.0, False, True, False, block_table=table,
+                                  seqused_k=used)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), call
+        assert paths == ["plan"] * max(call - 1, 0), call

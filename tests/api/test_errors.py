@@ -34,6 +34,7 @@ def _no_compute(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a backend was called: validation should have rejected the input")
     monkeypatch.setattr(api_mod, "triton_attention", boom)
+    monkeypatch.setattr(api_mod, "decode_attention", boom)
     monkeypatch.setattr(api_mod, "attention_reference", boom)
 
 
@@ -486,3 +487,70 @@ def test_error_leaves_inputs_and_grads_untouched(monkeypatch):
 
 def test_public_export():
     assert omniattn.attention is api_mod.attention
+
+
+def paged(b=B, pages=6, page_size=16, hk=H, pages_per_seq=2):
+    k = torch.randn(pages, page_size, hk, D, dtype=torch.float16)
+    table = torch.arange(b * pages_per_seq, dtype=torch.int32).view(b, pages_per_seq)
+    return k, torch.randn_like(k), table
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(block_table=torch.zeros(B, 2, dtype=torch.int64)), TypeError,
+     "block_table must be int32, got torch.int64"),
+    (dict(block_table=torch.zeros(B + 1, 2, dtype=torch.int32)), ValueError,
+     "block_table has shape (2, 2); expected (B=1, max_pages_per_seq)"),
+    (dict(block_table=torch.zeros(B, 4, dtype=torch.int32)[:, ::2]), ValueError,
+     "block_table must be contiguous in its last dimension"),
+    (dict(seqused_k=torch.zeros(B, 1, dtype=torch.int32)), ValueError,
+     "seqused_k has shape (1, 1); expected (B=1,)"),
+    (dict(seqused_k=[3]), TypeError, "seqused_k must be a torch.Tensor or None, got list"),
+    (dict(seqused_k=torch.tensor([33], dtype=torch.int32)), ValueError,
+     "seqused_k[0] lies outside [0, 32] (a sequence holds 2 pages of 16 keys)"),
+    (dict(block_table=torch.tensor([[0, 6]], dtype=torch.int32)), ValueError,
+     "block_table[0, 1] is not a page of k/v (num_pages = 6), and sequence 0 uses it"),
+    (dict(attn_bias=torch.zeros(B, H, 1, 16)), ValueError,
+     "attn_bias has shape (1, 2, 1, 16), not broadcastable to (B=1, H in {1,2,2}, Sq=4, "
+     "Sk=32)"),
+    (dict(block_mask="unused"), ValueError, "block_mask with block_table / seqused_k"),
+])
+def test_paged_invalid(change, error, message):
+    q, _, _ = make()
+    k, v, table = paged()
+    with pytest.raises(error, match=esc(message)):
+        attention(q, k, v, **{"block_table": table, **change})
+
+
+def test_paged_values_are_never_printed():
+    q, _, _ = make()
+    k, v, _ = paged()
+    with pytest.raises(ValueError) as raised:
+        attention(q, k, v, block_table=torch.tensor([[0, 123456]], dtype=torch.int32))
+    assert "123456" not in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        attention(q, k, v, block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+                  seqused_k=torch.tensor([987654], dtype=torch.int32))
+    assert "987654" not in str(raised.value)
+
+
+@pytest.mark.parametrize("page_size", [0, 24])
+def test_page_size_multiple_of_16(page_size):
+    q, _, _ = make()
+    k, v, table = paged(page_size=page_size)
+    with pytest.raises(ValueError, match="page_size a positive multiple of 16; got k shape "
+                                         f"\\(6, {page_size}, 2, 8\\)"):
+        attention(q, k, v, block_table=table)
+
+
+def test_paged_k_batch_may_differ_and_contiguous_seqused_k_checks_sk():
+    q, k, v = make(sk=16)
+    with pytest.raises(ValueError, match=esc("seqused_k[0] lies outside [0, 16] (a sequence "
+                                             "holds Sk = 16)")):
+        attention(q, k, v, seqused_k=torch.tensor([17], dtype=torch.int32))
+    with pytest.raises(ValueError, match="k has batch size 2 but q has 1"):
+        attention(q, torch.cat([k, k]), torch.cat([v, v]),
+                  seqused_k=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not combine with cu_seqlens_q"):
+        attention(q[0], k[0], v[0], cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 16], dtype=torch.int32),
+                  seqused_k=torch.tensor([3], dtype=torch.int32))

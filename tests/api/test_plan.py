@@ -143,3 +143,59 @@ def test_the_call_runs_what_the_plan_says(monkeypatch):
     explained = omniattn.explain(q, k, v, causal=True)
     omniattn.attention(q, k, v, causal=True).sum().backward()
     assert launched == [explained.forward.kernel, explained.backward.kernel]
+
+
+def decode_qkv(seqlen_q=1, seqlen_k=4096, heads=32, heads_k=8, requires_grad=False):
+    q = torch.randn(2, seqlen_q, heads, 128, dtype=torch.bfloat16, requires_grad=requires_grad)
+    k = torch.randn(2, seqlen_k, heads_k, 128, dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def test_decode_shaped_calls_run_split_kv(hopper):
+    explained = omniattn.explain(*decode_qkv(), causal=True)
+    assert explained.forward.kernel == "fwd_decode" and explained.forward.refused == ()
+    assert explained.forward.tiles == (16, 64)
+    text = str(explained)
+    assert "forward: fwd_decode at 16 x 64 tiles, split-KV" in text
+    assert "4 query heads x 1 rows packed per tile" in text
+    # speculative decoding, a key bias per KV head, per-row lengths, softcap
+    q, k, v = decode_qkv(seqlen_q=4)
+    bias = torch.randn(2, 8, 1, 4096, dtype=torch.bfloat16)
+    lengths = torch.full((2, 4), 4000, dtype=torch.int32)
+    explained = omniattn.explain(q, k, v, causal=True, attn_bias=bias, softcap=30.0,
+                                 seqlens_k_per_row=lengths, window=(1024, -1))
+    assert explained.forward.kernel == "fwd_decode"
+
+
+def test_why_not_split_kv(hopper):
+    """Decode-shaped calls split-KV does not take say why; prefill-shaped ones do not list it
+    (it is no faster candidate there)."""
+    explained = omniattn.explain(*decode_qkv(requires_grad=True), causal=True)
+    assert explained.forward.kernel == "fwd_hopper"
+    assert "not fwd_decode: the call records a gradient" in str(explained)
+    mask = omniattn.block_mask_from_blocks(torch.ones(1, 1, 1, 32, dtype=torch.bool), 128,
+                                           seq_lengths=(1, 4096))
+    explained = omniattn.explain(*decode_qkv(), block_mask=mask)
+    assert "a block mask" in refused(explained.forward)
+    explained = omniattn.explain(*decode_qkv(), dropout_p=0.1)
+    assert "not fwd_decode: dropout" in str(explained)
+    explained = omniattn.explain(*decode_qkv(seqlen_q=17))
+    assert explained.forward.kernel == "fwd_hopper" and explained.forward.refused == ()
+    assert "fwd_decode" not in str(explained)
+
+
+def test_paged_calls(hopper):
+    q, _, _ = decode_qkv()
+    pages = torch.randn(40, 256, 8, 128, dtype=torch.bfloat16)
+    table = torch.arange(32, dtype=torch.int32).view(2, 16)
+    used = torch.tensor([4096, 1000], dtype=torch.int32)
+    explained = omniattn.explain(q, pages, pages, block_table=table, seqused_k=used)
+    assert explained.forward.kernel == "fwd_decode"
+    assert "K/V from pages of 256 keys through the block table" in explained.forward.schedule
+    assert explained.backward.kernel == "per_sequence"
+    # prefill-sized: each sequence's pages gathered, and why not split-KV
+    q = torch.randn(2, 300, 32, 128, dtype=torch.bfloat16)
+    explained = omniattn.explain(q, pages, pages, block_table=table, seqused_k=used)
+    assert explained.forward.kernel == "per_sequence"
+    assert "gathered from its pages into contiguous K/V" in explained.forward.schedule
+    assert "300 query rows per sequence, more than 16" in refused(explained.forward)

@@ -141,3 +141,18 @@ def test_gluon_backward_takes_p_and_ds_from_registers(tmp_path, flags):
     from_smem = [operands for operands in head_dim_wide
                  if not re.match(r"R\d+, R\d+, gdesc", operands)]
     assert not from_smem, f"dK / dV wgmmas with A from shared memory: {from_smem[:3]}"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
+def test_decode_kernels_compile_without_spills():
+    """Split-KV decoding over pages with a key bias and a causal window (GQA 16/4, 8k keys): the
+    split kernel and the combine compile for sm_90a, with no spills, the K / V tiles
+    double-buffered (the paged configs' extra stages)."""
+    out = _run_tool("--kernel", "decode", "--heads-k", "4", "--seqlen", "8192", "--page-size",
+                    "256", "--bias", "key", "--causal", "--window", "1000,-1")
+    reports = [dict(re.findall(r"(\w+)=(\w+)", line)) for line in out.splitlines()]
+    assert [r["kernel"] for r in reports] == ["decode_split_kernel", "decode_combine_kernel"]
+    for report in reports:
+        assert report["spill_store_bytes"] == "0" and report["spill_load_bytes"] == "0"
+    # two stages of 64 x 128 bf16 K and V tiles
+    assert int(reports[0]["shared_bytes"]) >= 2 * 2 * 64 * 128 * 2

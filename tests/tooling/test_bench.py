@@ -494,6 +494,11 @@ def test_every_suite_constructs(device):
         for causal in (False, True)]
     assert len({(w.batch, w.seqlen_q, w.seqlen_k, w.heads, w.head_dim, w.dtype, w.causal)
                 for w in suites["rows"]}) == 1  # the dense reference has the lengths' shape
+    assert all(w.forward_only and w.seqlen_q == 1 and w.heads != w.heads_k
+               for w in suites["decode"])
+    # each paged row has a contiguous one of its shape
+    assert [w.page_size is not None for w in suites["decode"]] == [False] * 3 + [True] * 3 \
+        if device == "cuda" else [False] * 2 + [True] * 2
     if device == "cpu":  # masks build here only on the CPU
         for workload in suites["sparse"]:
             mask = workload_block_mask(workload, device)
@@ -838,3 +843,59 @@ def test_info_and_records_carry_the_switches(monkeypatch, capsys):
     assert cli.main(["info"]) == 0
     assert "switches: OMNIATTN_GLUON on, OMNIATTN_TMA on, OMNIATTN_CALL_PLANS off" \
         in capsys.readouterr().out
+
+
+def test_decode_suite_on_gpu():
+    decode = bench.default_workloads("cuda", "decode")
+    assert [(w.name, w.batch, w.seqlen_k, w.heads, w.heads_k, w.head_dim, w.dtype, w.page_size)
+            for w in decode] == [
+        ("decode-b1-k131072", 1, 131072, 32, 8, 128, torch.bfloat16, None),
+        ("decode-b8-k32768", 8, 32768, 32, 8, 128, torch.bfloat16, None),
+        ("decode-b64-k4096", 64, 4096, 32, 8, 128, torch.bfloat16, None),
+        ("decode-b1-k131072-paged256", 1, 131072, 32, 8, 128, torch.bfloat16, 256),
+        ("decode-b8-k32768-paged256", 8, 32768, 32, 8, 128, torch.bfloat16, 256),
+        ("decode-b64-k4096-paged256", 64, 4096, 32, 8, 128, torch.bfloat16, 256),
+    ]
+
+
+def test_decode_workloads_plan_split_kv(plan_as_gpu):
+    """On an H100 omniattn's forward of every decode row is split-KV decoding, paged too."""
+    plan_as_gpu(hopper=True)
+    for workload in bench.default_workloads("cuda", "decode"):
+        extra = ExtraInputs(workload, "cpu")
+        # planning reads no values: left uninitialised, cheap at GPU sizes
+        q = torch.empty((workload.batch, 1, workload.heads, workload.head_dim),
+                        dtype=workload.dtype)
+        shape = (workload.batch * workload.seqlen_k // workload.page_size, workload.page_size) \
+            if workload.page_size else (workload.batch, workload.seqlen_k)
+        k = torch.empty((*shape, workload.heads_k, workload.head_dim), dtype=workload.dtype)
+        plan = forward_plan(workload, extra, q, k, k)
+        assert plan.kernel == "fwd_decode", (workload.name, plan)
+
+
+def test_decode_providers_agree_and_pages_are_omniattns(reference_path):
+    contiguous, paged = bench.default_workloads("cpu", "decode")[1::2]
+    assert providers_for(paged, ("omniattn", "sdpa-math", "flex")) == ("omniattn",)
+    assert providers_for(contiguous, ("omniattn", "sdpa-math")) == ("omniattn", "sdpa-math")
+    extra = ExtraInputs(contiguous, "cpu")
+    q, k, v, _ = make_inputs(contiguous, torch.device("cpu"), requires_grad=False)
+    outs = [provider_builders()[p](contiguous, torch.device("cpu"), extra).fn(q, k, v)
+            for p in ("omniattn", "sdpa-math")]
+    torch.testing.assert_close(*outs)
+    # the paged inputs hold the keys the block table lists
+    extra = ExtraInputs(paged, "cpu")
+    q, k_pages, v_pages, _ = make_inputs(paged, torch.device("cpu"), requires_grad=False)
+    assert k_pages.shape == (4 * 256 // 64, 64, 2, 64)
+    assert sorted(extra.block_table.flatten().tolist()) == list(range(16))
+    out = provider_builders()["omniattn"](paged, torch.device("cpu"), extra).fn(q, k_pages,
+                                                                               v_pages)
+    keys = k_pages[extra.block_table.long()].flatten(1, 2)
+    values = v_pages[extra.block_table.long()].flatten(1, 2)
+    torch.testing.assert_close(out, omniattn.attention(q, keys, values))
+    rows = bench.run_suite([contiguous, paged], providers=["omniattn", "sdpa-math"],
+                           progress=False, device="cpu")
+    assert [(r["name"], r["mode"], r["provider"]) for r in rows] == [
+        (contiguous.name, "fwd", "omniattn"), (contiguous.name, "fwd", "sdpa-math"),
+        (paged.name, "fwd", "omniattn")]  # forward only; pages: omniattn alone
+    table = bench.format_table(rows)
+    assert "pages of 64" in table and f"{paged.name}: 1.0 MB" in table

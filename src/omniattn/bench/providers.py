@@ -18,7 +18,8 @@ BLOCK_MASK_PROVIDERS = ("omniattn", "flex")
 # SDPA gets a dynamic workload's mask and bias as one float attn_mask, differentiable under its
 # efficient and math backends, and a rows or window workload's mask as a bool attn_mask; flash
 # takes no attn_mask, and issue #4's SDPA baseline is the efficient backend, so flash and cuDNN
-# get no row on a dynamic, rows, window or varlen workload
+# get no row on a dynamic, rows, window or varlen workload. A decode workload (one query row
+# over a long cache) is dense: every provider runs it, FlexAttention through its decoding kernel
 ELEMENT_MASK_PROVIDERS = ("omniattn", "flex", "sdpa-efficient", "sdpa-math")
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +47,7 @@ def _omniattn_options(workload: Workload, extra: ExtraInputs) -> dict:
                     max_seqlen_k=extra.max_document, check_inputs=False)
     return dict(causal=workload.causal, window=workload.window, block_mask=extra.block_mask,
                 attn_mask=extra.keep, attn_bias=extra.bias, seqlens_k_per_row=extra.row_lens,
-                check_inputs=False)
+                block_table=extra.block_table, check_inputs=False)
 
 
 def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
@@ -173,8 +174,11 @@ def default_providers(device: str | torch.device) -> tuple[str, ...]:
 
 
 def providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str, ...]:
-    """The providers that run the workload: those that take its kind of mask."""
-    if workload.density is not None:
+    """The providers that run the workload: those that take its kind of mask (pages: omniattn
+    alone; its contiguous row of the same shape is the others' comparison)."""
+    if workload.page_size is not None:
+        runnable = ("omniattn",)
+    elif workload.density is not None:
         runnable = BLOCK_MASK_PROVIDERS
     elif workload.topk is not None or workload.row_lengths is not None \
             or workload.window is not None or workload.documents is not None:

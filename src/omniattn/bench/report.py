@@ -92,6 +92,8 @@ def _mask_label(r: dict) -> str:
         return f"window {tuple(r['window'])}"
     if r.get("documents") is not None:
         return f"docs {r['documents']}{causal}"
+    if r.get("page_size") is not None:
+        return f"pages of {r['page_size']}{causal}"
     return "causal" if r["causal"] else "none"
 
 
@@ -166,7 +168,24 @@ def format_table(results: list[dict]) -> str:
         lines += ["", f"docs-<lengths>: one batch packed from documents (omniattn: cu_seqlens; "
                       f"the others: a document mask), lengths as fractions of the total "
                       f"{DOCUMENTS}; only {', '.join(ELEMENT_MASK_PROVIDERS)} run them"]
+    lines += _decode_notes(results)
     return "\n".join(lines)
+
+
+def _decode_notes(results: list[dict]) -> list[str]:
+    """What the decode rows read: their time is bound by the K/V bytes (GB/s = bytes / ms / 1e6),
+    not FLOPs; pages are omniattn's alone."""
+    decode = {r["name"]: r for r in results if r.get("forward_only")}
+    if not decode:
+        return []
+    lines = ["", "decode-b<B>-k<keys>: one query token per sequence over a cache of that many "
+                 "keys, forward only; -paged<n>: pages of n keys in a shuffled order (omniattn "
+                 "alone). K/V bytes each call reads:"]
+    for name, r in decode.items():
+        size = torch.finfo(getattr(torch, r["dtype"])).bits // 8
+        kv_bytes = 2 * r["batch"] * r["seqlen_k"] * r["heads_k"] * r["head_dim"] * size
+        lines.append(f"  {name}: {kv_bytes / 1e6:.1f} MB")
+    return lines
 
 
 def _shape_key(r: dict) -> tuple:

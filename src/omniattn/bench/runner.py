@@ -33,7 +33,8 @@ def run_suite(
     them, see `Timing`). A provider that raises is recorded with its error (ms, tflops and the
     counts None) and the suite goes on. Sparse workloads (density set) run only
     BLOCK_MASK_PROVIDERS, dynamic ones (topk set) and rows ones (row_lengths set) only
-    ELEMENT_MASK_PROVIDERS; masks, bias and lengths are built once per workload (`ExtraInputs`)."""
+    ELEMENT_MASK_PROVIDERS, paged ones only omniattn; forward-only ones (decoding) skip
+    fwd+bwd; masks, bias and lengths are built once per workload (`ExtraInputs`)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     providers = tuple(providers or default_providers(device))
     builders = provider_builders()
@@ -44,13 +45,14 @@ def run_suite(
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
 
-    runs = sum(len(providers_for(workload, providers)) for workload in workloads) * len(modes)
+    runs = sum(len(providers_for(workload, providers)) * len(_modes(workload, modes))
+               for workload in workloads)
     bar = _progress_bar(runs, progress)
     results = []
     for workload in workloads:
         extra = ExtraInputs(workload, device)
         counts = None
-        for mode in modes:
+        for mode in _modes(workload, modes):
             inputs = make_inputs(workload, device, requires_grad=mode == "fwd+bwd")
             if counts is None:  # on the tiles omniattn's forward runs (the same in every mode)
                 counts = workload_pairs(workload, extra,
@@ -79,6 +81,11 @@ def run_suite(
     if bar is not None:
         bar.close()
     return results
+
+
+def _modes(workload: Workload, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """The modes a workload is timed in: a forward-only one (decoding) skips fwd+bwd."""
+    return tuple(m for m in modes if m == "fwd" or not workload.forward_only)
 
 
 def _describe_error(exc: Exception) -> str:

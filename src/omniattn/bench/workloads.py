@@ -12,7 +12,8 @@ import triton
 import omniattn
 from omniattn.predicate import RelativePredicate
 
-SUITES = ("core", "seqlen", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen")
+SUITES = ("core", "seqlen", "sparse", "gqa", "headdim", "dynamic", "rows", "window", "varlen",
+          "decode")
 # the "seqlen" suite keeps batch x seqlen at this many tokens (FlashAttention's papers: 16k)
 SEQLEN_SUITE_TOKENS = 16384
 # densities of the random block masks of the "sparse" suite; 1.0 (every block listed) is the
@@ -26,6 +27,10 @@ ROW_LENGTHS = {"uniform": "uniform in [1, Sk]", "progressive": "i + 1"}
 # packed documents of the "varlen" suite (cu_seqlens), by name: each document's length is drawn
 # uniformly from this range of fractions of the packed total (16k: [128, 4096], [32, 1024])
 DOCUMENTS = {"long": (1 / 128, 1 / 4), "short": (1 / 512, 1 / 16)}
+# the "decode" suite's (batch, keys per sequence) on a GPU: issue #55's three shapes
+DECODE_SHAPES = ((1, 131072), (8, 32768), (64, 4096))
+# pages of the "decode" suite's paged rows (keys per page)
+DECODE_PAGE_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,9 @@ class Workload:
     workload): attention's window (left, right), -1 unbounded, is the only mask. `documents` set
     (a varlen workload): one batch of seqlen_q tokens packed from documents whose lengths are
     drawn as DOCUMENTS names (see `workload_documents`), attended each on its own (causal within
-    each if `causal`)."""
+    each if `causal`). `forward_only` (decoding): timed in the fwd mode alone. `page_size` set
+    (paged decoding, forward only): k and v are pages of that many keys in a shuffled order
+    that a block table lists (see `workload_block_table`); only omniattn reads pages."""
 
     name: str
     batch: int
@@ -57,6 +64,8 @@ class Workload:
     row_lengths: str | None = None
     window: tuple[int, int] | None = None
     documents: str | None = None
+    forward_only: bool = False
+    page_size: int | None = None
 
     def __post_init__(self):
         if self.density is not None and not 0 < self.density <= 1:
@@ -105,6 +114,14 @@ class Workload:
                     or self.row_lengths is not None or self.window is not None:
                 raise ValueError(f"{self.name}: a varlen workload's documents are its only "
                                  f"mask (with causal); no density, topk, row_lengths or window")
+        if self.page_size is not None:
+            if not self.forward_only or self.seqlen_k % self.page_size:
+                raise ValueError(f"{self.name}: a paged workload is forward only, its seqlen_k "
+                                 f"a multiple of its page_size")
+            if self.density is not None or self.topk is not None \
+                    or self.row_lengths is not None or self.documents is not None:
+                raise ValueError(f"{self.name}: a paged workload takes no density, topk, "
+                                 f"row_lengths or documents")
 
 
 def _dense_and_causal(shapes, heads: int, head_dim: int, dtype: torch.dtype,
@@ -216,9 +233,23 @@ def _varlen_suite(cuda: bool) -> list[Workload]:
             for head_dim in head_dims for documents in DOCUMENTS for causal in (False, True)]
 
 
+def _decode_suite(cuda: bool) -> list[Workload]:
+    if cuda:
+        shapes, heads, heads_k, head_dim, dtype = DECODE_SHAPES, 32, 8, 128, torch.bfloat16
+        page_size = DECODE_PAGE_SIZE
+    else:
+        shapes, heads, heads_k, head_dim, dtype = ((1, 1024), (4, 256)), 8, 2, 64, torch.float32
+        page_size = 64
+    return [Workload(f"decode-b{batch}-k{seqlen_k}{f'-paged{pages}' if pages else ''}", batch, 1,
+                     seqlen_k, heads, heads_k, head_dim, False, dtype, forward_only=True,
+                     page_size=pages)
+            for pages in (None, page_size) for batch, seqlen_k in shapes]
+
+
 _SUITE_BUILDERS = {"core": _core_suite, "seqlen": _seqlen_suite, "sparse": _sparse_suite,
                    "gqa": _gqa_suite, "headdim": _headdim_suite, "dynamic": _dynamic_suite,
-                   "rows": _rows_suite, "window": _window_suite, "varlen": _varlen_suite}
+                   "rows": _rows_suite, "window": _window_suite, "varlen": _varlen_suite,
+                   "decode": _decode_suite}
 
 
 def default_workloads(device: str | torch.device, suite: str = "core") -> list[Workload]:
@@ -237,7 +268,9 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     window: 8k B2 H16 under a sliding window (1024, 0) at D128, GQA 16/4 and D256, and a local
     one (512, 512) at D128;
     varlen: 16k tokens H16 D128 and D256 packed from documents of 128-4096 or 32-1024 tokens
-    (cu_seqlens), each attended alone, dense or causal.
+    (cu_seqlens), each attended alone, dense or causal;
+    decode: one query token per sequence over DECODE_SHAPES' caches, GQA 32/8 D128, forward
+    only, from contiguous K/V then from pages of DECODE_PAGE_SIZE keys (omniattn alone).
     GPU: bf16. CPU: small fp32 equivalents that run in seconds (they check the plumbing; their
     numbers say nothing about the GPU kernels). "all": every suite's workloads, each once (the
     seqlen suite shares shapes with core and rows)."""
@@ -313,6 +346,18 @@ def workload_row_lengths(workload: Workload,
     return lengths.clamp(max=seqlen_k).expand(shape).contiguous()
 
 
+def workload_block_table(workload: Workload,
+                         device: str | torch.device) -> torch.Tensor | None:
+    """The paged workload's block table, int32 (B, seqlen_k / page_size) on the device: the
+    pages of all sequences in an order drawn by a randperm (CPU generator seeded 4), as a cache
+    that allocated them as sequences grew would hold them. None for a workload without pages."""
+    if workload.page_size is None:
+        return None
+    per_seq = workload.seqlen_k // workload.page_size
+    order = torch.randperm(workload.batch * per_seq, generator=torch.Generator().manual_seed(4))
+    return order.view(workload.batch, per_seq).to(device, torch.int32)
+
+
 def workload_documents(workload: Workload) -> torch.Tensor | None:
     """The varlen workload's cu_seqlens, int32 (documents + 1,) on the CPU: document lengths
     drawn uniformly from the DOCUMENTS range (CPU generator seeded 3) until they fill seqlen_q,
@@ -332,8 +377,8 @@ class ExtraInputs:
     """What one workload adds to q, k, v, built once per workload and shared by every provider
     and mode (omniattn caches its block-mask schedule on the BlockMask; the 4k keep mask and full
     bias are 1.6 GB): `block_mask` of a sparse workload, `keep` mask and `bias` of a dynamic one,
-    `row_lens` of a rows one, `cu_seqlens` (on the device) and `max_document` of a varlen one
-    (None where the workload has none). The forms one provider needs are built on its first use,
+    `row_lens` of a rows one, `cu_seqlens` (on the device) and `max_document` of a varlen one,
+    `block_table` of a paged one (None where the workload has none). The forms one provider needs are built on its first use,
     outside any timed region."""
 
     def __init__(self, workload: Workload, device: str | torch.device):
@@ -346,6 +391,7 @@ class ExtraInputs:
         offsets = workload_documents(workload)
         self.cu_seqlens = None if offsets is None else offsets.to(self.device)
         self.max_document = None if offsets is None else int(offsets.diff().max())
+        self.block_table = workload_block_table(workload, device)
 
     @property
     def learnable(self) -> tuple[torch.Tensor, ...]:
@@ -448,17 +494,22 @@ class ExtraInputs:
 
 
 def make_inputs(workload: Workload, device: torch.device, requires_grad: bool):
-    """q (B, Sq, H, D), k, v (B, Sk, Hk, D) and dout like q; random normal, seeded."""
+    """q (B, Sq, H, D), k, v (B, Sk, Hk, D) (a paged workload: pages (B x Sk / page_size,
+    page_size, Hk, D)) and dout like q; random normal, seeded."""
     generator = torch.Generator(device).manual_seed(0)
 
-    def randn(seqlen, heads, grad):
-        shape = (workload.batch, seqlen, heads, workload.head_dim)
+    def randn(seqlen, heads, grad, batch=workload.batch):
+        shape = (batch, seqlen, heads, workload.head_dim)
         t = torch.randn(shape, generator=generator, device=device, dtype=workload.dtype)
         return t.requires_grad_(grad)
 
     q = randn(workload.seqlen_q, workload.heads, requires_grad)
-    k = randn(workload.seqlen_k, workload.heads_k, requires_grad)
-    v = randn(workload.seqlen_k, workload.heads_k, requires_grad)
+    keys = (workload.seqlen_k, workload.heads_k, requires_grad)
+    if workload.page_size is not None:
+        pages = workload.batch * workload.seqlen_k // workload.page_size
+        keys = (workload.page_size, workload.heads_k, requires_grad, pages)
+    k = randn(*keys)
+    v = randn(*keys)
     dout = randn(workload.seqlen_q, workload.heads, False)
     return q, k, v, dout
 

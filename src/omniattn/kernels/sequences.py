@@ -205,3 +205,30 @@ def rows_to_callers(src: torch.Tensor, row_order: torch.Tensor | None,
             src, row_order, dst, *row_strides(src), row_order.stride(0), *row_strides(dst),
             seqlen, heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_M=64)
+
+
+@dataclass(frozen=True)
+class PagedKeys:
+    """The keys of each sequence when a call gives `block_table` and / or `seqused_k`: k/v are
+    pages (num_pages, page_size, Hk, D) that block_table (int32 (B, max_pages)) lists per
+    sequence (page_size 0: a contiguous (B, Sk, Hk, D) cache), and sequence b uses its first
+    seqused_k[b] keys (int32 (B,); None: all seqlen_k). seqlen_k: the keys a sequence can hold
+    (max_pages x page_size, or Sk), the key dim of masks and biases; causal and windows align
+    to each sequence's used keys (bottom-right)."""
+
+    block_table: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    page_size: int
+    seqlen_k: int
+
+    def logical_keys(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """A (B, seqlen_k, Hk, D) view holding no memory (stride 0): the shape masks, biases and
+        per-row lengths are checked against."""
+        return k.new_empty(()).expand(q.shape[0], self.seqlen_k, *k.shape[2:])
+
+    def operands(self, device: torch.device) -> tuple:
+        """(block table, its batch stride, seqused_k) for the decode kernel."""
+        table = self.block_table if self.block_table is not None else placeholder(device)
+        used = self.seqused_k if self.seqused_k is not None else placeholder(device)
+        stride = self.block_table.stride(0) if self.block_table is not None else 0
+        return table, stride, used

@@ -1,4 +1,4 @@
-"""Tile configurations of the Triton kernels (forward.py, backward.py).
+"""Tile configurations of the Triton kernels (forward.py, backward.py, decode.py).
 
 Each GPU entry keeps one line of why, with the number that chose it (bf16, triton 3.6); the
 sweeps behind them are in docs/perf/tiles.md. Under TRITON_INTERPRET=1 tiles are 16 so tiny test
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.sizes import padded_head_dim
+from ...kernels.sizes import next_power_of_2, padded_head_dim
 from ...runtime.switches import interpreting
 from ..gluon_sm90.configs import hopper_forward_config
 
@@ -160,3 +160,94 @@ def backward_config(head_dim: int, dtype: torch.dtype, masked: bool = False,
     if full_bias and key[0] in _BWD_FULL_BIAS:
         return _BWD_FULL_BIAS[key[0]]
     return _BWD[key]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Split-KV decoding tiles (decode.py): block_m packed rows (the query heads of a KV head's
+    group x query rows; tl.dot needs 16 or more) x block_n keys per program."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Split-KV decoding. Not yet measured: every number below is a first guess from the kernel's
+# shape (K and V tiles streamed once, a 16-row dot per tile), to be replaced by H100 sweeps of
+# `omniattn bench --suite decode`.
+# query rows per sequence up to which the plan runs split-KV (beyond, the forward's own query
+# tiles fill the GPU); not yet measured
+DECODE_MAX_QUERY_ROWS = 16
+# keyed by padded head dim: K and V tiles of block_n x D stream through num_stages buffers;
+# not yet measured
+_DECODE = {
+    32: DecodeConfig(16, 128, 4, 3),
+    64: DecodeConfig(16, 128, 4, 3),
+    128: DecodeConfig(16, 64, 4, 3),
+    256: DecodeConfig(16, 32, 4, 3),
+}
+# pages: the block table's entries of a tile are loaded a pipeline stage ahead of its K / V
+# tiles, which then get fewer buffers (triton 3.6's TTGIR at D128: 3 stages give K and V one
+# buffer each, 5 give two, as 3 do without pages); timings not yet measured
+DECODE_PAGED_EXTRA_STAGES = 2
+# packed rows per program at most: more rows are more programs along the grid's row axis;
+# not yet measured. Head dim 256 at 64 rows spilled (ptxas, sm_90a: 255 registers, 32 bytes)
+DECODE_MAX_BLOCK_M = {32: 64, 64: 64, 128: 64, 256: 32}
+# packed rows x keys per tile at most: the [rows, keys] pointer tiles of a mask and a bias per
+# query head cost registers (D64 at 32 rows x 128 keys, paged, mask + bias + softcap + window:
+# 255 registers, 24 bytes spilled; ptxas, sm_90a); timings not yet measured
+DECODE_MAX_TILE_ELEMENTS = 16 * 128
+# resident programs per SM the split count aims to fill, in whole waves; not yet measured
+DECODE_PROGRAMS_PER_SM = 2
+# keys per split at least: each split costs a partial write and a share of the combine;
+# not yet measured
+DECODE_MIN_KEYS_PER_SPLIT = 512
+DECODE_MAX_SPLITS = 128
+# warps of the kernel that merges the splits (a few rows x D per program); not yet measured
+DECODE_COMBINE_WARPS = 4
+# a split count whose waves are at least this fraction as full as the best one's is taken if it
+# is smaller (fewer partials to combine); not yet measured
+DECODE_WAVE_EFFICIENCY = 0.85
+# the interpreter: 16-key tiles and up to 3 splits, so tiny caches cross the combine
+_INTERPRETER_DECODE = DecodeConfig(16, 16, 1, 1)
+INTERPRETER_DECODE_SPLITS = 3
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, rows: int,
+                  paged: bool = False) -> DecodeConfig:
+    """Tiles of split-KV decoding for `rows` packed rows per (batch, KV head); paged: K / V
+    read through a block table."""
+    if interpreting():
+        return _INTERPRETER_DECODE
+    key = max(32, padded_head_dim(head_dim))
+    cfg = _DECODE[key]
+    block_m = min(max(16, next_power_of_2(rows)), DECODE_MAX_BLOCK_M[key])
+    block_n = min(cfg.block_n, max(16, DECODE_MAX_TILE_ELEMENTS // block_m))
+    stages = cfg.num_stages + (DECODE_PAGED_EXTRA_STAGES if paged else 0)
+    if dtype == torch.float32:
+        # IEEE dots: half the keys on twice the warps (D128 at 32 keys, 4 warps: 255
+        # registers, 464 bytes spilled; 8 warps: 64 registers; ptxas, sm_90a)
+        return DecodeConfig(block_m, max(16, block_n // 2), 2 * cfg.num_warps, stages - 1)
+    return DecodeConfig(block_m, block_n, cfg.num_warps, stages)
+
+
+def decode_splits(programs: int, key_tiles: int, block_n: int, sm_count: int | None) -> int:
+    """How many programs share each (batch, KV head, row tile)'s `key_tiles` key tiles, for
+    `programs` such triples: the fewest whose waves over sm_count x DECODE_PROGRAMS_PER_SM slots
+    are nearly as full as the best count's (DECODE_WAVE_EFFICIENCY), each split at least
+    DECODE_MIN_KEYS_PER_SPLIT keys. sm_count None: the interpreter's fixed count."""
+    most = max(1, min(DECODE_MAX_SPLITS, key_tiles * block_n // DECODE_MIN_KEYS_PER_SPLIT))
+    if sm_count is None:
+        return max(1, min(INTERPRETER_DECODE_SPLITS, key_tiles))
+    slots = sm_count * DECODE_PROGRAMS_PER_SM
+    if programs >= slots:
+        return 1
+
+    def fill(splits: int) -> float:  # how full the last wave leaves the slots, on average
+        waves = programs * splits / slots
+        return waves / -(-waves // 1)
+
+    best = max(fill(splits) for splits in range(1, most + 1))
+    return next(splits for splits in range(1, most + 1)
+                if fill(splits) >= DECODE_WAVE_EFFICIENCY * best)
