@@ -38,7 +38,7 @@ REFERENCE = "reference"
 # waste less of the window's edges than the Gluon 128 x 128 ones. H100, B2 H16 4k, a 75% random mask
 # + key bias, window (1024, 0), forward kernel ms: 0.284-0.288 / 0.297-0.303 Gluon
 _LEFT_WINDOW_MASK = "an element mask with a left window bound keeps the Triton forward's finer " \
-    "(0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
+    "tiles (0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
 
 
 @dataclass(frozen=True)
