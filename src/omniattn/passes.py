@@ -15,7 +15,7 @@ from .backends.gluon_sm90.blocks import flat_rows
 from .backends.gluon_sm90.configs import hopper_backward_config
 from .backends.gluon_sm90.forward import hopper_forward
 from .backends.triton.backward import triton_backward
-from .backends.triton.backward_kernels import bwd_preprocess
+from .backends.triton.backward_steps import bwd_preprocess
 from .backends.triton.decode import triton_decode
 from .backends.triton.forward import triton_forward
 from .kernels.elementwise import Elementwise

@@ -18,7 +18,8 @@ from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, pac
                                   row_lens_operands, row_strides)
 from ...kernels.sizes import cdiv, next_power_of_2, padded_head_dim
 from ...runtime.launch import launch, tensors_then_tuple
-from .backward_kernels import bwd_kernel, sum_kv_parts, zero_unlisted_kernel
+from .backward_kernels import bwd_kernel
+from .backward_steps import sum_kv_parts, zero_unlisted_kernel
 from .configs import DKDV_HEADS_PER_PROGRAM, DROPOUT_MAX_STAGES, BwdTileConfig, backward_config
 
 
