@@ -18,7 +18,8 @@ from omniattn import plan
 from omniattn.backends.gluon_sm90 import backward as bwd_hopper
 from omniattn.backends.triton import configs
 from omniattn.kernels.schedule import KernelArgs
-from omniattn.passes import attention_backward, attention_forward
+from omniattn.passes import (GLUON_BACKWARD, GLUON_FORWARD, attention_backward,
+                             attention_forward)
 
 MASKS = {
     "dense": dict(causal=False, window=None),
@@ -301,6 +302,23 @@ def test_gluon_causal_backward_in_pair_groups(gluon_calls, monkeypatch, pairs, h
     assert gluon_calls == ["fwd", "bwd"], f"Gluon launches: {gluon_calls}"
     if head_dim == 128:
         assert dq_trails == [heads_k < 6 or pairs == 1]
+
+
+def test_a_gluon_plan_for_unaligned_bases_runs_the_triton_kernels(gluon_calls):
+    """A plan made while torch.compile traces sees no addresses: when the Gluon kernels it names
+    get bases off 16-byte alignment, each pass runs the Triton kernel instead (on any device;
+    here the Gluon kernels could not run at all)."""
+    torch.manual_seed(9)
+    shape = (1, 40, 2, 16)
+    storage = torch.randn(3 * 1280 + 1, device=DEVICE, dtype=torch.float16)
+    q, k, v = (storage[1 + i * 1280:1 + (i + 1) * 1280].view(shape) for i in range(3))
+    assert q.data_ptr() % 16
+    args = KernelArgs.make(16, True, None, None, 0.0)
+    out, lse = attention_forward(q, k, v, args, kernel=GLUON_FORWARD)
+    dout = torch.randn_like(q)
+    grads = attention_backward(dout, q, k, v, out, lse, args, kernel=GLUON_BACKWARD)[:3]
+    check_against_reference(out, lse, grads, q, k, v, dout, causal=True)
+    assert gluon_calls == []
 
 
 @pytest.mark.gpu
