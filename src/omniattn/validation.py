@@ -97,10 +97,8 @@ def check_block_mask(block_mask, q, k, packed: PackedSequences | None) -> None:
         raise ValueError(f"block_mask is on {block_mask.kv_indices.device} but q is on {q.device}")
 
 
-def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
-                       packed: PackedSequences | None) -> None:
-    """attn_mask / attn_bias: 4-D (packed: 3-D (total_q, Hm, max_seqlen_k)), each dim 1 or full,
-    heads in {1, Hk, H}; never expanded."""
+def check_tensor_argument(name: str, t, dtypes, q: torch.Tensor) -> None:
+    """An optional tensor argument given: a torch.Tensor of one of `dtypes`, on q's device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -108,6 +106,13 @@ def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
                         f"{', '.join(str(d) for d in dtypes)}")
     if t.device != q.device:
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
+                       packed: PackedSequences | None) -> None:
+    """attn_mask / attn_bias: 4-D (packed: 3-D (total_q, Hm, max_seqlen_k)), each dim 1 or full,
+    heads in {1, Hk, H}; never expanded."""
+    check_tensor_argument(name, t, dtypes, q)
     num_heads, num_heads_k = q.shape[-2], k.shape[-2]
     if packed is not None:
         total_q, max_k = q.shape[0], packed.max_seqlen_k

@@ -18,15 +18,7 @@ import omniattn
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.passes import decode_forward
 from omniattn.reference import paged_reference
-
-
-@pytest.fixture(autouse=True)
-def nan_poisoned_memory():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(previous)
+from test_mask_bias import nan_poisoned_memory  # noqa: F401 (autouse fixture)
 
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int, spare: int = 3):

@@ -9,7 +9,8 @@ import torch
 
 from ..masks.block_mask import BlockMask
 from ..predicate import RelativePredicate
-from ..validation import SUPPORTED_DTYPES, check_options, check_qkv, describe
+from ..validation import (SUPPORTED_DTYPES, check_options, check_qkv, check_tensor_argument,
+                          describe)
 from .comm import group_info
 from .layout import check_divides, check_layout, chunks_per_rank
 from .sharding import resolve_group
@@ -47,13 +48,7 @@ class Call:
 
 def _check_keywise(name: str, t, q: torch.Tensor, k: torch.Tensor) -> None:
     """attn_bias / topk_scores: (B|1, Hm, 1, S/P) with Hm in {1, Hk, H}, this rank's keys."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected one of "
-                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    check_tensor_argument(name, t, SUPPORTED_DTYPES, q)
     batch, rows, heads, _ = q.shape
     heads_k = k.shape[2]
     if t.dim() != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads_k, heads) \
