@@ -108,6 +108,18 @@ def check_tensor_argument(name: str, t, dtypes, q: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
+def check_int32_argument(name: str, t, q: torch.Tensor, optional: bool) -> None:
+    """An int32 tensor argument (lengths, page tables) on q's device; `optional`: None is also
+    accepted (the caller skips it), which the message says."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got "
+                        f"{type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
 def check_elementwise(name: str, t, dtypes, q: torch.Tensor, k: torch.Tensor,
                        packed: PackedSequences | None) -> None:
     """attn_mask / attn_bias: 4-D (packed: 3-D (total_q, Hm, max_seqlen_k)), each dim 1 or full,
@@ -225,12 +237,7 @@ def check_row_lens(row_lens, q, k, packed: PackedSequences | None,
                     check_inputs: bool) -> torch.Tensor:
     """seqlens_k_per_row: int32 (B, Sq) or (B * Sq,) (packed: (total_q,)), values in [0, Sk] of
     the row's sequence. Returns it contiguous, (B, Sq) or packed (total_q,)."""
-    if not isinstance(row_lens, torch.Tensor):
-        raise TypeError(f"seqlens_k_per_row must be a torch.Tensor, got {type(row_lens).__name__}")
-    if row_lens.dtype != torch.int32:
-        raise TypeError(f"seqlens_k_per_row must be int32, got {row_lens.dtype}")
-    if row_lens.device != q.device:
-        raise ValueError(f"seqlens_k_per_row is on {row_lens.device} but q is on {q.device}")
+    check_int32_argument("seqlens_k_per_row", row_lens, q, optional=False)
     if packed is not None:
         shapes, normal = [(q.shape[0],)], (q.shape[0],)
     else:
@@ -288,12 +295,7 @@ def check_paged(q, k, block_table, seqused_k, packed: bool, check_inputs: bool) 
     for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        check_int32_argument(name, t, q, optional=True)
     page_size, seqlen_k = 0, k.shape[1]
     if block_table is not None:
         if block_table.dim() != 2 or block_table.shape[0] != batch:

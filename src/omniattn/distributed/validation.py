@@ -9,8 +9,8 @@ import torch
 
 from ..masks.block_mask import BlockMask
 from ..predicate import RelativePredicate
-from ..validation import (SUPPORTED_DTYPES, check_options, check_qkv, check_tensor_argument,
-                          describe)
+from ..validation import (SUPPORTED_DTYPES, check_int32_argument, check_options, check_qkv,
+                          check_tensor_argument, describe)
 from .comm import group_info
 from .layout import check_divides, check_layout, chunks_per_rank
 from .sharding import resolve_group
@@ -61,12 +61,7 @@ def _check_keywise(name: str, t, q: torch.Tensor, k: torch.Tensor) -> None:
 def _check_row_lens(row_lens, q: torch.Tensor, seqlen: int) -> torch.Tensor:
     """seqlens_k_per_row: int32 (B, S/P) or (B * S/P,), global key lengths in [0, S]; returns
     it (B, S/P). Reads the values (a sync), once per call."""
-    if not isinstance(row_lens, torch.Tensor):
-        raise TypeError(f"seqlens_k_per_row must be a torch.Tensor, got {type(row_lens).__name__}")
-    if row_lens.dtype != torch.int32:
-        raise TypeError(f"seqlens_k_per_row must be int32, got {row_lens.dtype}")
-    if row_lens.device != q.device:
-        raise ValueError(f"seqlens_k_per_row is on {row_lens.device} but q is on {q.device}")
+    check_int32_argument("seqlens_k_per_row", row_lens, q, optional=False)
     batch, rows = q.shape[:2]
     if tuple(row_lens.shape) not in ((batch, rows), (batch * rows,)):
         raise ValueError(f"seqlens_k_per_row has shape {tuple(row_lens.shape)}; expected this "
