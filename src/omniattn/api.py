@@ -14,7 +14,7 @@ from .autograd import (attention_with_graph, backward_from_output, decode_attent
 from .kernels.elementwise import Elementwise
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, PagedKeys, length_order
-from .passes import DECODE_FORWARD
+from .passes import DECODE_FORWARD, TRITON_BACKWARD
 from .plan import (PER_SEQUENCE, REFERENCE, CallForm, CallPlan, ListTiles,
                    groups_rows_by_length, plan_call, reference_plan, topk_refusal, uses_kernels)
 from .reference import attention_reference, per_sequence, reference_backward
@@ -316,7 +316,10 @@ def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | Non
     schedule = None
     if lists is not None and q.numel() and k.numel():
         schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed)
-    return kernel_inputs(q, k, v, args, (plan.forward.kernel, plan.backward.kernel), schedule,
+    # without a recorded gradient the backward is never planned; the Triton backward, which
+    # serves every call, stands in for it
+    backward = plan.backward.kernel if plan.backward_needed else TRITON_BACKWARD
+    return kernel_inputs(q, k, v, args, (plan.forward.kernel, backward), schedule,
                          attn_mask, attn_bias, row_lens, packed, dropout, deterministic,
                          row_order)
 

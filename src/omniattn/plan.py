@@ -13,7 +13,8 @@ sequence's keys gathered (or sliced) and attended as a contiguous call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -69,11 +70,17 @@ class PassPlan:
 @dataclass(frozen=True)
 class CallPlan:
     """The plan of one `attention` call: its forward and its backward (what a gradient would
-    run; `backward_needed` says whether the call records one)."""
+    run; `backward_needed` says whether the call records one). A call without a gradient
+    plans its backward only if asked (`explain`): its refusal checks are half of a forward's
+    planning time."""
 
     forward: PassPlan
-    backward: PassPlan
+    plan_backward: Callable[[], PassPlan] = field(repr=False, compare=False)
     backward_needed: bool
+
+    @property
+    def backward(self) -> PassPlan:
+        return self.plan_backward()
 
     @property
     def backend(self) -> str:
@@ -83,6 +90,16 @@ class CallPlan:
         needed = "" if self.backward_needed else " (if a gradient is asked for)"
         return "\n".join(self.forward.describe("forward")
                          + self.backward.describe(f"backward{needed}"))
+
+
+def _backward_planner(plan_backward: Callable[[], PassPlan],
+                      backward_needed: bool) -> Callable[[], PassPlan]:
+    """plan_backward, run now when the call records a gradient (its backward reads the plan),
+    else on each request."""
+    if not backward_needed:
+        return plan_backward
+    backward = plan_backward()
+    return lambda: backward
 
 
 @dataclass(frozen=True)
@@ -331,7 +348,7 @@ def reference_plan(q: torch.Tensor, backward_needed: bool, reason: str | None = 
     tensors), or for `reason` (what the kernels do not serve yet)."""
     reference = PassPlan(REFERENCE, "queries in chunks, O(chunk x Sk) memory",
                          refused=(Refusal("triton", reason or _reference_reason(q)),))
-    return CallPlan(reference, reference, backward_needed)
+    return CallPlan(reference, lambda: reference, backward_needed)
 
 
 PER_SEQUENCE = "per_sequence"  # paged / partly used keys, one contiguous call per sequence
@@ -388,13 +405,13 @@ def plan_call(form: CallForm, backward_needed: bool) -> tuple[CallPlan, ListTile
     a call with pages or spare keys it refuses runs per sequence."""
     refusal = decode_refusal(form, backward_needed)
     if form.paged is not None:
-        backward = _per_sequence_pass(form)
+        backward = _backward_planner(lambda: _per_sequence_pass(form), backward_needed)
         if refusal is None:
             return CallPlan(_decode_pass(form), backward, backward_needed), None
         forward = _per_sequence_pass(form, (Refusal(DECODE_FORWARD, refusal),))
         return CallPlan(forward, backward, backward_needed), None
     lists = list_tiles(form) if form.explicit else None
-    backward = backward_pass(form, lists)
+    backward = _backward_planner(lambda: backward_pass(form, lists), backward_needed)
     if refusal is None:  # the lists serve only the backward's description: none are built
         return CallPlan(_decode_pass(form), backward, backward_needed), None
     forward = forward_pass(form, lists)

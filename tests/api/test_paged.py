@@ -12,13 +12,13 @@ from omniattn.reference import attention_reference
 
 
 def _paged(batch=2, seqlen_q=3, heads=4, heads_k=2, head_dim=16, page_size=16, pages=9,
-           dtype=torch.float32, seed=0):
+           dtype=torch.float32, seed=0, device=DEVICE):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator, dtype=dtype)
     k = torch.randn(pages, page_size, heads_k, head_dim, generator=generator, dtype=dtype)
     v = torch.randn(pages, page_size, heads_k, head_dim, generator=generator, dtype=dtype)
     table = torch.randperm(pages, generator=generator)[:batch * 4].view(batch, 4)
-    return [t.to(DEVICE).requires_grad_() for t in (q, k, v)] + [table.to(DEVICE, torch.int32)]
+    return [t.to(device).requires_grad_() for t in (q, k, v)] + [table.to(device, torch.int32)]
 
 
 def _contiguous(q, k, v, table, used, **options):
@@ -35,11 +35,13 @@ def _contiguous(q, k, v, table, used, **options):
 
 @pytest.mark.parametrize("path", ["reference", "per_sequence"])
 def test_paged_matches_contiguous_with_gradients(path, monkeypatch):
-    if path == "reference":
+    device = DEVICE
+    if path == "reference":  # CPU tensors without the interpreter
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v, table = _paged()
-    used = torch.tensor([50, 7], dtype=torch.int32, device=DEVICE)
-    bias = torch.randn(2, 2, 1, 64, device=DEVICE)
+        device = "cpu"
+    q, k, v, table = _paged(device=device)
+    used = torch.tensor([50, 7], dtype=torch.int32, device=device)
+    bias = torch.randn(2, 2, 1, 64, device=device)
     options = dict(causal=True, window=(30, -1), softcap=2.0, attn_bias=bias)
     plan = omniattn.explain(q, k, v, block_table=table, seqused_k=used, **options)
     assert plan.forward.kernel == path

@@ -38,6 +38,9 @@ class _Uncacheable(Exception):
 def _other_key(value):
     """Key of an argument that is neither a plain scalar nor a plain tensor."""
     if type(value) is tuple:  # grouped arguments (strides, forms): each leaf as on its own
+        types = tuple(map(type, value))
+        if _PLAIN.issuperset(types):  # the common case, no recursion
+            return types, value
         return arguments_key(value)
     if isinstance(value, torch.Tensor):  # subclasses (nn.Parameter)
         return (type(value), value.dtype, value.data_ptr() & 15)
