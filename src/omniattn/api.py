@@ -11,9 +11,10 @@ import torch
 from .autograd import (attention_with_graph, backward_from_output, decode_attention,
                        decode_inputs, forward_parts, kernel_inputs, records_graph,
                        triton_attention)
-from .kernels.elementwise import Elementwise
+from .kernels.elementwise import Elementwise, TopkTerm
+from .kernels.select import row_thresholds
 from .kernels.schedule import KernelArgs
-from .kernels.sequences import PackedSequences, PagedKeys, length_order
+from .kernels.sequences import PackedSequences, PagedKeys, batch_shape, length_order
 from .passes import DECODE_FORWARD, TRITON_BACKWARD
 from .plan import (PER_SEQUENCE, REFERENCE, CallForm, CallPlan, ListTiles,
                    groups_rows_by_length, plan_call, reference_plan, topk_refusal, uses_kernels)
@@ -100,8 +101,9 @@ def attention(
             max_seqlen_q / max_seqlen_k given.
         topk: each query row keeps only the `topk` keys of largest topk_scores among the keys
             every other mask lets it see (ties to the lower key index); a row seeing at most
-            topk keys keeps them all. Every backend applies this rule; today the reference runs
-            such calls on every device (`omniattn.explain` says so).
+            topk keys keeps them all. The rows' selection is computed first (O(B x H x Sq)
+            threshold pairs, kernels/select.py), then the Triton kernels apply it in their
+            predicate and skip the key tiles no row of a query tile keeps (per-key scores).
         topk_scores: fp16/bf16/fp32 scores laid out like attn_bias (its default), broadcast and
             never expanded; they select only: no gradient reaches them (the bias still gets
             its own). A NaN score ranks above +inf (it is kept and shows in the output).
@@ -223,24 +225,33 @@ def _prepare(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_bi
     backward_needed = graph_parts or records_graph(q, k, v, attn_bias)
     if not uses_kernels(q):
         return _Prepared(reference_plan(q, backward_needed), None, None, row_lens, packed, paged)
-    if topk is not None:
-        return _Prepared(reference_plan(q, backward_needed, topk_refusal(q)), None, None,
+    if topk is not None and torch.compiler.is_compiling():
+        return _Prepared(reference_plan(q, backward_needed, topk_refusal()), None, None,
                          row_lens, packed, paged)
     args = KernelArgs.make(q.shape[-1], causal, window, softmax_scale, softcap)
     # per-row key lengths alone: each batch's rows in length order, key ranges from the lengths
     row_order = row_lens is not None and not args.masked and packed is None \
         and block_mask is None and attn_mask is None and attn_bias is None and dropout_p == 0 \
-        and groups_rows_by_length(q.shape[1], q.shape[-1], q.dtype)
+        and topk is None and groups_rows_by_length(q.shape[1], q.shape[-1], q.dtype)
     heads = q.shape[-2]
+    if topk is not None and topk >= _keys_per_sequence(keys, packed):
+        topk = None  # every row keeps every key it sees
     form = CallForm(
         q, k, v, args, mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
         bias=Elementwise.of(attn_bias, heads) if attn_bias is not None else None,
         bias_grad=attn_bias is not None and attn_bias.requires_grad and backward_needed,
         row_lens=row_lens, row_order=row_order, packed=packed,
         block_mask=kernel_block_mask(block_mask, args, attn_mask, row_lens, packed),
-        dropout=dropout_p > 0, deterministic=deterministic, paged=paged)
+        dropout=dropout_p > 0, deterministic=deterministic, paged=paged,
+        topk_scores=None if topk is None else Elementwise.of(
+            attn_bias if topk_scores is None else topk_scores, heads))
     plan, lists = plan_call(form, backward_needed)
     return _Prepared(plan, form, lists, row_lens, packed, paged)
+
+
+def _keys_per_sequence(keys: torch.Tensor, packed: PackedSequences | None) -> int:
+    """The most keys a row may see: Sk, or the longest packed sequence's."""
+    return packed.max_seqlen_k if packed is not None else keys.shape[1]
 
 
 def explain(q, k, v, **options) -> CallPlan:
@@ -297,7 +308,7 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
     # the kernels draw 16-bit numbers: p on their grid keeps the 1 / (1 - p) scale exact
     kernel_p = round(dropout_p * DROPOUT_LEVELS) / DROPOUT_LEVELS
     call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, attn_mask, attn_bias,
-                        (kernel_p, seed), deterministic)
+                        (kernel_p, seed), deterministic, topk, topk_scores)
     if graph_parts:
         return forward_parts(call)
     out, lse = triton_attention(call)
@@ -305,23 +316,43 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
 
 
 def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | None, row_lens,
-                 packed, attn_mask, attn_bias, dropout: tuple[float, int], deterministic):
+                 packed, attn_mask, attn_bias, dropout: tuple[float, int], deterministic,
+                 topk: int | None, topk_scores: torch.Tensor | None):
     """The kernels' call (kernel_inputs) of a prepared call: its rows in length order where the
-    form asks, its lists built at the plan's tiles."""
+    form asks, its rows' top-k threshold pairs, its lists built at the plan's tiles."""
     args, row_order = form.args, None
     if form.row_order:
         # q, out and lse stay in the caller's order: the kernels read and write each row where
         # it is and tile the rows (and their lengths) in this order
         row_order, row_lens = length_order(row_lens, k.shape[1])
+    term = None
+    if form.topk_scores is not None:
+        term = TopkTerm(form.topk_scores, _topk_pairs(topk, form, row_lens, packed))
     schedule = None
     if lists is not None and q.numel() and k.numel():
-        schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed)
+        schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed,
+                                        topk=term)
     # without a recorded gradient the backward is never planned; the Triton backward, which
     # serves every call, stands in for it
     backward = plan.backward.kernel if plan.backward_needed else TRITON_BACKWARD
+    if term is not None and topk_scores is None:
+        topk_scores = attn_bias
     return kernel_inputs(q, k, v, args, (plan.forward.kernel, backward), schedule,
                          attn_mask, attn_bias, row_lens, packed, dropout, deterministic,
-                         row_order)
+                         row_order, topk_scores if term is not None else None,
+                         term.pairs if term is not None else None)
+
+
+def _topk_pairs(topk: int, form: CallForm, row_lens, packed) -> torch.Tensor:
+    """int32 (2, B, Hs, Sq|1) (packed: (2, 1, Hs, total_q)): the rows' threshold pairs of
+    kernels/select.py, thresholds then last ties (TopkTerm.pairs)."""
+    q, k = form.q, form.k
+    batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    pairs = row_thresholds(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
+                           q.shape[-2], k.shape[-2], mask=form.mask, block_mask=form.block_mask,
+                           row_lens=row_lens, packed=packed,
+                           total_q=q.shape[0] if packed is not None else None)
+    return torch.stack((pairs.threshold, pairs.last_tie))
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -362,7 +393,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return reference_backward(dout, q, k, v, out, lse, dlse, bias_grad=bias_grad,
                                   seqlens_k_per_row=row_lens, **reference_options)
     call = _kernel_call(q, k, v, plan, form, lists, row_lens, packed, values["attn_mask"],
-                        attn_bias, (0.0, 0), values["deterministic"])
+                        attn_bias, (0.0, 0), values["deterministic"], values["topk"],
+                        values["topk_scores"])
     return backward_from_output(call, dout, out, lse, dlse, bias_grad)
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.elementwise import Elementwise
+from .kernels.elementwise import Elementwise, TopkTerm
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import PackedSequences, PagedKeys, lse_shape
 from .passes import attention_backward, attention_forward, decode_forward
@@ -18,8 +18,9 @@ from .runtime import call_plans
 
 class ForwardCall(NamedTuple):
     """The forward op's arguments, in its schema's order: an explicit schedule crosses the op
-    boundary as its tensors and launch ints (empty lists: implicit schedule); the plan's kernel
-    of each pass by name (plan.py)."""
+    boundary as its tensors and launch ints (empty lists: implicit schedule); top-k as its
+    scores and the rows' threshold pairs (TopkTerm); the plan's kernel of each pass by name
+    (plan.py)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -30,6 +31,8 @@ class ForwardCall(NamedTuple):
     row_order: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    topk_scores: torch.Tensor | None
+    topk_pairs: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
     softmax_scale: float
@@ -61,6 +64,8 @@ class BackwardCall(NamedTuple):
     row_order: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    topk_scores: torch.Tensor | None
+    topk_pairs: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
     bias_grad: bool
@@ -81,20 +86,24 @@ class BackwardCall(NamedTuple):
 
 
 def _rebuild(schedule: list[torch.Tensor], tiles: list[int], attn_mask, attn_bias, num_heads,
-             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk_scores, topk_pairs):
     sched = Schedule.from_parts(schedule, tiles) if schedule else None
     mask = Elementwise.of(attn_mask, num_heads) if attn_mask is not None else None
     bias = Elementwise.of(attn_bias, num_heads) if attn_bias is not None else None
     packed = None
     if cu_seqlens_q is not None:
         packed = PackedSequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return sched, mask, bias, packed
+    topk = None
+    if topk_pairs is not None:
+        topk = TopkTerm(Elementwise.of(topk_scores, num_heads), topk_pairs)
+    return sched, mask, bias, packed, topk
 
 
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
     attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, row_order: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    topk_scores: torch.Tensor | None, topk_pairs: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, softcap: float, window_left: int, window_right: int,
     dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor], tiles: list[int],
     deterministic: bool, forward_kernel: str, backward_kernel: str,
@@ -102,12 +111,13 @@ def _forward_impl(
     """(out, lse) of a `ForwardCall`; `deterministic` and `backward_kernel` are for the backward
     pass (kept in the autograd context)."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
-    sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
-                                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    sched, mask, bias, packed, topk = _rebuild(schedule, tiles, attn_mask, attn_bias,
+                                               q.shape[-2], cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, topk_scores, topk_pairs)
     forward, bits = (sched.forward, sched.bits) if sched is not None else (None, None)
     return attention_forward(q, k, v, args, forward, bits, mask=mask, bias=bias,
                              row_lens=row_lens, packed=packed, dropout=(dropout_p, dropout_seed),
-                             row_order=row_order, kernel=forward_kernel)
+                             row_order=row_order, kernel=forward_kernel, topk=topk)
 
 
 attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_impl,
@@ -116,8 +126,8 @@ attention_fwd_op = torch.library.custom_op("omniattn::attention_fwd", _forward_i
 
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left, window_right, dropout_p,
-      dropout_seed, schedule, tiles, deterministic, forward_kernel, backward_kernel):
+      topk_scores, topk_pairs, max_seqlen_q, max_seqlen_k, softmax_scale, softcap, window_left,
+      window_right, dropout_p, dropout_seed, schedule, tiles, deterministic, forward_kernel, backward_kernel):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
@@ -125,21 +135,23 @@ def _backward_impl(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, attn_mask: torch.Tensor | None,
     attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, row_order: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    topk_scores: torch.Tensor | None, topk_pairs: torch.Tensor | None, max_seqlen_q: int,
     max_seqlen_k: int, bias_grad: bool, softmax_scale: float, softcap: float, window_left: int,
     window_right: int, dropout_p: float, dropout_seed: int, schedule: list[torch.Tensor],
     tiles: list[int], deterministic: bool, kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias) of a `BackwardCall`; dbias is an empty tensor unless bias_grad."""
     args = KernelArgs(softmax_scale, softcap, window_left, window_right)
-    sched, mask, bias, packed = _rebuild(schedule, tiles, attn_mask, attn_bias, q.shape[-2],
-                                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    sched, mask, bias, packed, topk = _rebuild(schedule, tiles, attn_mask, attn_bias,
+                                               q.shape[-2], cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, topk_scores, topk_pairs)
     dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, args, sched, mask=mask,
                                            bias=bias, bias_grad=bias_grad, dlse=dlse,
                                            row_lens=row_lens, packed=packed,
                                            dropout=(dropout_p, dropout_seed),
                                            deterministic=deterministic, row_order=row_order,
-                                           kernel=kernel)
+                                           kernel=kernel, topk=topk)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
@@ -149,8 +161,8 @@ attention_bwd_op = torch.library.custom_op("omniattn::attention_bwd", _backward_
 
 @attention_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q,
-      cu_seqlens_k, max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale, softcap, window_left,
-      window_right, dropout_p, dropout_seed, schedule, tiles, deterministic, kernel):
+      cu_seqlens_k, topk_scores, topk_pairs, max_seqlen_q, max_seqlen_k, bias_grad, softmax_scale,
+      softcap, window_left, window_right, dropout_p, dropout_seed, schedule, tiles, deterministic, kernel):
     dbias = torch.empty_like(attn_bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -160,22 +172,22 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(call.q, call.k, call.v, out, lse, call.attn_mask, call.attn_bias,
                           call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k,
-                          *call.schedule)
+                          call.topk_scores, call.topk_pairs, *call.schedule)
     ctx.call = call._replace(q=None, k=None, v=None, attn_mask=None, attn_bias=None,
                              row_lens=None, row_order=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                             schedule=len(call.schedule))
+                             topk_scores=None, topk_pairs=None, schedule=len(call.schedule))
 
 
 def _gradients(ctx, dout, dlse, backward_fn):
     """(dq, dk, dv, dbias or None) from the context _setup_context filled."""
     (q, k, v, out, lse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q, cu_seqlens_k,
-     *schedule) = ctx.saved_tensors
+     topk_scores, topk_pairs, *schedule) = ctx.saved_tensors
     call = ctx.call
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = backward_fn(BackwardCall(
         dout, q, k, v, out, lse, dlse, attn_mask, attn_bias, row_lens, row_order, cu_seqlens_q,
-        cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, bias_grad, call.softmax_scale,
-        call.softcap, call.window_left, call.window_right, call.dropout_p, call.dropout_seed,
+        cu_seqlens_k, topk_scores, topk_pairs, call.max_seqlen_q, call.max_seqlen_k, bias_grad,
+        call.softmax_scale, call.softcap, call.window_left, call.window_right, call.dropout_p, call.dropout_seed,
         schedule, call.tiles, call.deterministic, call.backward_kernel))
     return dq, dk, dv, dbias if bias_grad else None
 
@@ -248,7 +260,8 @@ def backward_from_output(call: ForwardCall, dout, out, lse, dlse, bias_grad: boo
     lse, dlse = lse.contiguous(), dlse.contiguous() if dlse is not None else None
     dq, dk, dv, dbias = _planned_backward(None, BackwardCall(
         dout, call.q, call.k, call.v, out, lse, dlse, call.attn_mask, call.attn_bias,
-        call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+        call.row_lens, call.row_order, call.cu_seqlens_q, call.cu_seqlens_k, call.topk_scores,
+        call.topk_pairs, call.max_seqlen_q,
         call.max_seqlen_k, bias_grad, call.softmax_scale, call.softcap, call.window_left,
         call.window_right, call.dropout_p, call.dropout_seed, call.schedule, call.tiles,
         call.deterministic, call.backward_kernel))
@@ -260,14 +273,18 @@ def kernel_inputs(q, k, v, args: KernelArgs, kernels: tuple[str, str],
                   attn_bias: torch.Tensor | None = None, row_lens: torch.Tensor | None = None,
                   packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
                   deterministic: bool = False,
-                  row_order: torch.Tensor | None = None) -> ForwardCall:
-    """The forward op's call; kernels: the plan's (forward, backward) kernel names."""
+                  row_order: torch.Tensor | None = None,
+                  topk_scores: torch.Tensor | None = None,
+                  topk_pairs: torch.Tensor | None = None) -> ForwardCall:
+    """The forward op's call; kernels: the plan's (forward, backward) kernel names; top-k: its
+    scores as the caller gave them and the rows' pairs (TopkTerm)."""
     tensors, tiles = (schedule.tensors(), schedule.tiles()) if schedule is not None else ([], [])
     cu_q, cu_k, max_q, max_k = (None, None, 0, 0) if packed is None else (
         packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k)
-    return ForwardCall(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k, max_q,
-                       max_k, args.softmax_scale, args.softcap, args.window_left,
-                       args.window_right, *dropout, tensors, tiles, deterministic, *kernels)
+    return ForwardCall(q, k, v, attn_mask, attn_bias, row_lens, row_order, cu_q, cu_k,
+                       topk_scores, topk_pairs, max_q, max_k, args.softmax_scale, args.softcap,
+                       args.window_left, args.window_right, *dropout, tensors, tiles,
+                       deterministic, *kernels)
 
 
 def forward_parts(call: ForwardCall) -> tuple:

@@ -18,7 +18,7 @@ from .backends.triton.backward import triton_backward
 from .backends.triton.backward_steps import bwd_preprocess
 from .backends.triton.decode import triton_decode
 from .backends.triton.forward import triton_forward
-from .kernels.elementwise import Elementwise
+from .kernels.elementwise import Elementwise, TopkTerm
 from .kernels.schedule import BlockBits, KernelArgs, Schedule, TileLists
 from .kernels.sequences import (PackedSequences, PagedKeys, batch_shape, broadcast_strides,
                                 check_row_order, lse_shape, lse_strides, packed_operands,
@@ -38,7 +38,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
                       packed: PackedSequences | None = None, dropout: tuple[float, int] = (0.0, 0),
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                       row_order: torch.Tensor | None = None,
-                      kernel: str = TRITON_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
+                      kernel: str = TRITON_FORWARD,
+                      topk: TopkTerm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), last dim contiguous -> out like q, lse (B, H, Sq) fp32;
     packed (varlen): q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q).
     `schedule`: the explicit forward lists (None: dense / causal / window from `args`); the mask,
@@ -48,7 +49,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     lengths, which the backward pass needs sorted longest first within each batch: with
     row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
-    dropout: (p, seed) of the Philox stream.
+    dropout: (p, seed) of the Philox stream. topk: the rows' top-k threshold pairs and their
+    scores, applied in PARTIAL tiles (the Triton kernels read them).
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
     kernel: the plan's (plan.py): GLUON_FORWARD runs the Gluon forward, which the plan gives only
     calls it takes; TRITON_FORWARD the Triton one."""
@@ -66,7 +68,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
         hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
     else:
         triton_forward(q, k, v, args, out, lse, schedule, bits, mask, bias, row_lens, packed,
-                       dropout, row_order)
+                       dropout, row_order, topk)
     return out, lse
 
 
@@ -143,7 +145,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
                        row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
                        dropout: tuple[float, int] = (0.0, 0), deterministic: bool = False,
                        dq=None, dk=None, dv=None, row_order: torch.Tensor | None = None,
-                       kernel: str = TRITON_BACKWARD):
+                       kernel: str = TRITON_BACKWARD, topk: TopkTerm | None = None):
     """Gradients (dq, dk, dv, dbias) shaped like (q, k, v, bias); dk/dv are reduced over each KV
     group; dbias is None unless bias_grad. dlse (like lse), the gradient reaching lse, enters as
     delta - dlse (d lse / d s = p). Layouts as in attention_forward (packed: 3-D q/k/v, lse
@@ -157,11 +159,11 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     bias with one column for all keys gets its gradient from lse alone (`row_constant_bias_grad`).
     kernel: the plan's (plan.py): GLUON_BACKWARD / GLUON_BACKWARD_WIDE run the Gluon backward
     (head dims 64 / 128, or 256), which the plan gives only calls they take; TRITON_BACKWARD the
-    Triton one (`triton_backward`)."""
+    Triton one (`triton_backward`). topk: as in attention_forward."""
     if bias_grad and bias.cols_shared:
         dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, args, schedule, mask, bias,
                                            False, dlse, row_lens, packed, dropout, deterministic,
-                                           dq, dk, dv, row_order, kernel)
+                                           dq, dk, dv, row_order, kernel, topk)
         return dq, dk, dv, row_constant_bias_grad(bias, lse, dlse, q.shape[-2])
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
@@ -249,7 +251,7 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
     dq, dk, dv = triton_backward(dout, q, k, v, lse, delta, args, dq, dk, dv, schedule, mask, bias,
                                  (dbias_buffer, dbias_strides, dbias_per_qhead, zero_unlisted)
                                  if bias_grad else None, row_lens, packed, dropout, deterministic,
-                                 row_order)
+                                 row_order, topk)
     return dq, dk, dv, finish_dbias(dbias_buffer) if bias_grad else None
 
 

@@ -7,7 +7,8 @@ Candidates, fastest first: split-KV decoding (`fwd_decode`) for a forward with a
 rows per sequence and no gradient; on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
 `bwd_hopper`, `bwd_hopper_wide` at head dims it splits), else the Triton kernels (`fwd`, `bwd`);
 CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels;
-top-k calls take it on every device until the kernels read row thresholds. Paged or partly used
+top-k calls run the Triton kernels (rows' threshold pairs from kernels/select.py), or the
+reference while torch.compile traces them. Paged or partly used
 keys (`block_table`, `seqused_k`) that split-KV does not take run `per_sequence`: each
 sequence's keys gathered (or sliced) and attended as a contiguous call.
 """
@@ -40,6 +41,9 @@ REFERENCE = "reference"
 # + key bias, window (1024, 0), forward kernel ms: 0.284-0.288 / 0.297-0.303 Gluon
 _LEFT_WINDOW_MASK = "an element mask with a left window bound keeps the Triton forward's finer " \
     "tiles (0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
+
+
+_TOPK = "top-k: the Triton kernels read the rows' threshold pairs, the Gluon ones not yet"
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class CallForm:
     deterministic: bool = False
     given_lists: bool = False  # lists built by the caller (the launchers' own tests)
     paged: PagedKeys | None = None  # block_table / seqused_k: k and v hold pages or spare keys
+    topk_scores: Elementwise | None = None  # a top-k call's scores (rows' pairs come later)
 
     @property
     def full_bias(self) -> bool:
@@ -133,9 +138,9 @@ class CallForm:
     @property
     def explicit(self) -> bool:
         """Whether the call walks explicit lists (block mask, element mask, lengths not in
-        length order)."""
+        length order, top-k: its tile states skip the tiles no row keeps)."""
         return self.given_lists or self.block_mask is not None or self.mask is not None \
-            or (self.row_lens is not None and not self.row_order)
+            or (self.row_lens is not None and not self.row_order) or self.topk_scores is not None
 
     @property
     def bits(self) -> bool:
@@ -166,12 +171,14 @@ def _sparse(form: CallForm) -> bool:
     """Per-row lengths alone, or a block mask without PARTIAL blocks, leave most visited tiles
     FULL: the dense (or causal) tiles stay the best; masks and PARTIAL blocks take the sparse
     ones."""
-    return form.mask is not None or form.args.masked or (
+    return form.mask is not None or form.args.masked or form.topk_scores is not None or (
         form.block_mask is not None and form.block_mask.has_partial_blocks)
 
 
 def _gluon_lists_refusal(form: CallForm) -> str | None:
     """Why the forward lists are not built at the Gluon forward's tiles (None where they are)."""
+    if form.topk_scores is not None:
+        return _TOPK
     if form.row_lens is not None:
         return "per-row key lengths with other masks (their lists at the Triton forward's tiles)"
     if form.packed is not None:
@@ -202,7 +209,7 @@ def list_tiles(form: CallForm) -> ListTiles:
     the Gluon backward shares); a block mask's tiles divide its blocks."""
     head_dim, dtype = form.q.shape[-1], form.q.dtype
     refusal = _gluon_lists_refusal(form)
-    elementwise = form.mask is not None or form.bias is not None
+    elementwise = form.mask is not None or form.bias is not None or form.topk_scores is not None
     fwd = forward_config(head_dim, dtype, masked=_sparse(form), elementwise=elementwise,
                          gluon=refusal is None, full_bias=form.full_bias)
     bwd = backward_config(head_dim, dtype, masked=_sparse(form), full_bias=form.full_bias)
@@ -234,6 +241,7 @@ def _schedule_name(form: CallForm) -> str:
         what = [name for name, given in (("block mask", form.block_mask is not None),
                                          ("element mask", form.mask is not None),
                                          ("per-row key lengths", form.row_lens is not None),
+                                         ("top-k tile states", form.topk_scores is not None),
                                          ("given", form.given_lists))
                 if given]
         return f"explicit lists ({' + '.join(what)})"
@@ -263,6 +271,8 @@ def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tu
 
 def _call_refusal(form: CallForm) -> str | None:
     """What no Gluon kernel of either pass takes, or None."""
+    if form.topk_scores is not None:
+        return _TOPK
     if form.bits:
         return "a block mask with element bitmaps"
     if form.row_lens is not None and not form.row_order:
@@ -332,10 +342,10 @@ def _reference_reason(q: torch.Tensor) -> str:
         f"runs the Triton kernels in the interpreter)"
 
 
-def topk_refusal(q: torch.Tensor) -> str:
-    """Why a top-k call on the kernels' devices runs the reference (on q's device, in torch)."""
-    return f"top-k: the kernels do not read row thresholds yet (the reference selects each " \
-        f"chunk of rows in PyTorch, on {q.device})"
+def topk_refusal() -> str:
+    """Why a top-k call that torch.compile traces runs the reference."""
+    return "top-k while torch.compile traces the call: the selection kernels run outside the " \
+        "traced ops (the reference selects each chunk of rows in PyTorch)"
 
 
 def uses_kernels(q: torch.Tensor) -> bool:
@@ -368,6 +378,8 @@ def decode_refusal(form: CallForm, backward_needed: bool) -> str | None:
         return "a block mask (its lists are per query tile; split-KV walks each sequence's keys)"
     if form.dropout:
         return "dropout"
+    if form.topk_scores is not None:
+        return "top-k (split-KV decoding does not read row thresholds yet)"
     return None
 
 

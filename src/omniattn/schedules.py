@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from .kernels.elementwise import (Elementwise, fine_tile_of, mask_forward_schedule,
-                                  mask_tile_states, row_length_states, states_schedule)
+from .kernels.elementwise import (Elementwise, TopkTerm, fine_tile_of, mask_forward_schedule,
+                                  mask_tile_states, row_length_states, states_schedule,
+                                  topk_tile_states)
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import batch_shape
 from .plan import CallForm, ListTiles
@@ -37,13 +38,29 @@ def kernel_block_mask(block_mask, args: KernelArgs, attn_mask, row_lens, packed)
     return block_mask
 
 
+def _and_states(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    """The AND of two tile-state maps (B|1, Hs, n|1, n|1): their minimum, heads in {1, Hk, H}
+    spread to the larger count where neither is 1."""
+    if a is None:
+        return b
+    heads_a, heads_b = a.shape[1], b.shape[1]
+    if 1 not in (heads_a, heads_b) and heads_a != heads_b:
+        if heads_a < heads_b:
+            a = a.repeat_interleave(heads_b // heads_a, dim=1)
+        else:
+            b = b.repeat_interleave(heads_a // heads_b, dim=1)
+    return torch.minimum(a, b)
+
+
 def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | None,
-                   backward: bool = True) -> tuple[Schedule, KernelArgs]:
+                   backward: bool = True,
+                   topk: TopkTerm | None = None) -> tuple[Schedule, KernelArgs]:
     """The lists of form's block mask (kernel_block_mask's), element mask (attn_mask, the
-    caller's tensor) and/or per-row key lengths, each pass at its `lists` tiles, and the kernel
-    arguments whose predicate their PARTIAL tiles apply (attention's ANDed with the block
-    mask's). Element-exact tile states (the mask's pre-pass, the lengths' min/max per tile) are
-    computed once, at the finest tile any pass uses, and ANDed. backward=False (no gradient will
+    caller's tensor), per-row key lengths and/or top-k term, each pass at its `lists` tiles,
+    and the kernel arguments whose predicate their PARTIAL tiles apply (attention's ANDed with
+    the block mask's). Element-exact tile states (the mask's pre-pass, the lengths' min/max per
+    tile, the top-k scores' and thresholds' per tile) are computed once, at the finest tile any
+    pass uses, and ANDed. backward=False (no gradient will
     flow): lists built per call are built for the forward only (those of a mask spanning
     (Sq, Sk) alone by its pre-pass's launch)."""
     q, k, args, block_mask, row_lens, packed = form.q, form.k, form.args, form.block_mask, \
@@ -60,15 +77,17 @@ def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | N
     fine_tile = fine_tile_of(*tiles)
     # a mask spanning (Sq, Sk) alone, forward lists only: its pre-pass builds them
     forward_lists_by_pre_pass = not backward and block_mask is None and row_lens is None \
-        and attn_mask is not None and Elementwise.spans_both(attn_mask)
+        and topk is None and attn_mask is not None and Elementwise.spans_both(attn_mask)
     element_states = None  # (B|1, Hs, n|1, n|1) at fine_tile
     if attn_mask is not None and not forward_lists_by_pre_pass:
         element_states = mask_tile_states(Elementwise.of(attn_mask, num_heads), seqlen_q,
                                           seqlen_k, *fine_tile, outer_args, packed)
     if row_lens is not None:
-        by_length = row_length_states(row_lens, seqlen_q, seqlen_k, *fine_tile, packed)
-        element_states = by_length if element_states is None \
-            else torch.minimum(element_states, by_length)  # AND of states
+        element_states = _and_states(element_states, row_length_states(
+            row_lens, seqlen_q, seqlen_k, *fine_tile, packed))
+    if topk is not None:
+        element_states = _and_states(element_states, topk_tile_states(
+            topk, seqlen_q, seqlen_k, *fine_tile, packed))
     if forward_lists_by_pre_pass:
         schedule = mask_forward_schedule(Elementwise.of(attn_mask, num_heads), fine_tile,
                                          seqlen_q, seqlen_k, num_heads, outer_args, tiles[0],

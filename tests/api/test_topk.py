@@ -1,7 +1,8 @@
 """Top-k selection (issue #53): the rule of predicate.py and reference.topk_thresholds against a
 brute-force float64 selection (integer-valued scores, so ties are everywhere), with every score
 broadcast form and every other mask; attention(topk=...) on CPU against attention with the
-brute-force keep mask, gradients included; the plan's refusal."""
+brute-force keep mask, gradients included (the Triton kernels under the interpreter, the
+reference without it); the plan; the top-k tile states."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 import omniattn
 from helpers import (DEVICE, GPU, brute_force_topk, check_against_reference, random_block_mask,
                      visible_keys)
-from omniattn.predicate import (EVERY_TIE, KEEP_ALL, order_keys, select_thresholds,
-                                topk_keep)
+from omniattn.kernels.elementwise import Elementwise, TopkTerm, topk_tile_states
+from omniattn.predicate import (EVERY_TIE, FULL, HIDDEN, KEEP_ALL, order_keys,
+                                select_thresholds, topk_keep)
 from omniattn.reference import topk_thresholds
 
 B, SQ, SK, H, HK = 2, 20, 37, 4, 2
@@ -212,29 +214,71 @@ def test_packed_attention_topk_matches_each_sequence():
         torch.testing.assert_close(out[qs], alone[0])
 
 
-def test_explain_says_why_top_k_runs_the_reference(monkeypatch):
+def test_explain_names_the_kernels_that_read_thresholds(monkeypatch):
     q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
     bias = torch.randn(1, 2, 1, 8)
     monkeypatch.setattr(omniattn.api, "uses_kernels", lambda q: True)  # as on a GPU
     plan = omniattn.explain(q, k, v, attn_bias=bias, topk=4)
-    assert plan.backend == "reference"
-    assert "top-k: the kernels do not read row thresholds yet" in str(plan)
-    assert "on cpu" in str(plan) and "CPU tensors run" not in str(plan)
+    assert (plan.forward.kernel, plan.backward.kernel) == ("fwd", "bwd")
+    assert "explicit lists (top-k tile states)" in str(plan)
+    assert "the Gluon ones not yet" in str(plan)
+    # K at least Sk: nothing to select
+    assert "top-k" not in str(omniattn.explain(q, k, v, attn_bias=bias, topk=8))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "while torch.compile traces" in str(omniattn.explain(q, k, v, attn_bias=bias, topk=4))
     monkeypatch.undo()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "CPU tensors run the exact PyTorch reference" in str(
         omniattn.explain(q, k, v, attn_bias=bias, topk=4))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_tile_states_never_hide_a_kept_key_nor_cut_a_full_tile(seed):
+    """A HIDDEN tile holds no key any of its rows keeps; a FULL one only keys all its rows keep
+    (visibility aside): per-key scores with long runs of equal values, so tiles of every kind
+    occur."""
+    generator = torch.Generator().manual_seed(seed)
+    seqlen_q, seqlen_k, block_m, block_n = 45, 70, 8, 16
+    runs = torch.randint(-4, 5, (B, HK, 1, seqlen_k // 10 + 1), generator=generator).float()
+    scores = runs.repeat_interleave(10, -1)[..., :seqlen_k]
+    pairs = topk_thresholds(torch.empty(B, seqlen_q, H, 1), torch.empty(B, seqlen_k, HK, 1), 9,
+                            scores, causal=True)
+    term = TopkTerm(Elementwise.of(scores, H), torch.stack((pairs.threshold, pairs.last_tie)))
+    states = topk_tile_states(term, seqlen_q, seqlen_k, block_m, block_n)
+    kept = topk_keep(order_keys(scores).expand(B, HK, seqlen_q, seqlen_k),
+                     pairs.threshold, pairs.last_tie)  # (B, Hk, Sq, Sk)
+    per_tile = torch.nn.functional.pad(kept, (0, 80 - seqlen_k, 0, 48 - seqlen_q)).float() \
+        .view(B, HK, 48 // block_m, block_m, 80 // block_n, block_n)
+    any_kept = per_tile.amax((3, 5)) > 0
+    valid = torch.nn.functional.pad(torch.ones(seqlen_q, seqlen_k), (0, 80 - seqlen_k, 0,
+                                                                     48 - seqlen_q))
+    valid = valid.view(48 // block_m, block_m, 80 // block_n, block_n)
+    all_kept = ((per_tile >= valid[None, None]).all(5).all(3))
+    assert states.shape == (B, HK, 48 // block_m, 80 // block_n)
+    assert not any_kept[states == HIDDEN].any()
+    assert all_kept[states == FULL].all()
+    assert (states == HIDDEN).any() and (states == FULL).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-def test_gpu_top_k_runs_the_reference_on_the_gpu():
-    q, k, v = (torch.randn(1, 64, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    bias = torch.randn(1, 2, 1, 64, device="cuda")
-    plan = omniattn.explain(q, k, v, causal=True, attn_bias=bias, topk=16)
-    assert plan.backend == "reference" and "on cuda" in str(plan)
-    out = omniattn.attention(q, k, v, causal=True, attn_bias=bias, topk=16)
-    keep = brute_force_topk(bias.cpu(), visible_keys(1, 2, 64, 64, causal=True).cpu(), 16)
-    expected = omniattn.reference.attention_reference(q, k, v, causal=True, attn_bias=bias,
-                                                      attn_mask=keep.cuda())
-    torch.testing.assert_close(out, expected)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seqlen", [200, 1031])
+def test_gpu_top_k_runs_the_triton_kernels(dtype, seqlen):
+    """The DMA case on the GPU kernels: per-key scores = the key bias, causal, GQA; out, lse and
+    every gradient against the oracle with the brute-force keep mask."""
+    torch.manual_seed(seqlen)
+    q = torch.randn(2, seqlen, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, seqlen, 2, 64, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    bias = tied_scores((2, 2, 1, seqlen), 3).to("cuda", dtype).requires_grad_()
+    plan = omniattn.explain(q, k, v, causal=True, attn_bias=bias, topk=64)
+    assert (plan.forward.kernel, plan.backward.kernel) == ("fwd", "bwd")
+    out, lse = omniattn.attention(q, k, v, causal=True, attn_bias=bias, topk=64,
+                                  return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    keep = brute_force_topk(bias.detach().float().cpu(),
+                            visible_keys(2, 2, seqlen, seqlen, causal=True).cpu(), 64)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_bias=bias,
+                            attn_mask=keep.repeat_interleave(2, 1).cuda(), causal=True)

@@ -1,4 +1,5 @@
-"""Pieces shared by the forward and backward kernels: the element predicate and the softcap."""
+"""Pieces shared by the forward and backward kernels: the element predicate (with its top-k term)
+and the softcap."""
 import triton
 import triton.language as tl
 
@@ -39,6 +40,41 @@ def visible_elements(
     if HAS_LEFT:
         visible = visible & (rel >= -window_left)
     return visible
+
+
+@triton.jit
+def signed_order_keys(x):
+    """int32 order keys of float scores, predicate.order_keys on the device: signed order is the
+    scores' order as float32 (-0 = +0, NaN above +inf)."""
+    x = x.to(tl.float32)
+    bits = tl.where(x == 0, 0, x.to(tl.int32, bitcast=True))
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats order backwards by magnitude
+    return tl.where(x != x, 0x7FFFFFFF, keys)
+
+
+@triton.jit
+def topk_keep(scores, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
+    """The top-k term of the predicate (predicate.RowThresholds): [BM, BN] True where the row's
+    threshold pair keeps the key ([BN, BM] when TRANSPOSED). scores: the tile's top-k scores,
+    broadcastable to it; keys [BN]: key indices; threshold / last_tie [BM]: the rows' pairs."""
+    order = signed_order_keys(scores)
+    if TRANSPOSED:
+        above = order > threshold[None, :]
+        tie_kept = (order == threshold[None, :]) & (keys[:, None] <= last_tie[None, :])
+    else:
+        above = order > threshold[:, None]
+        tie_kept = (order == threshold[:, None]) & (keys[None, :] <= last_tie[:, None])
+    return above | tie_kept
+
+
+@triton.jit
+def row_pairs(pairs, pair_stride, rows, n_rows, stride_row):
+    """[BM] (threshold, last_tie) of rows `rows` from a (2, ...) pair tensor whose row 0 of this
+    (batch, head) is at `pairs`; rows past n_rows keep everything."""
+    inside = rows < n_rows
+    threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
+    last_tie = tl.load(pairs + pair_stride + rows * stride_row, mask=inside, other=2 ** 31 - 1)
+    return threshold, last_tie
 
 
 @triton.jit

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..predicate import FULL, HIDDEN, PARTIAL
+from ..predicate import FULL, HIDDEN, PARTIAL, order_keys
 from ..runtime.launch import launch
 from .common import implicit_kv_range, implicit_q_range, sequence_bounds
 from .schedule import KernelArgs, Schedule, TileLists
@@ -85,6 +86,33 @@ class Elementwise:
                     HAS_BIAS=bias is not None,
                     BIAS_ROWS_SHARED=bias is not None and bias.rows_shared,
                     BIAS_COLS_SHARED=bias is not None and bias.cols_shared)
+
+
+@dataclass(frozen=True)
+class TopkTerm:
+    """The top-k term of a call's predicate as the kernels read it: the scores the rows select by
+    (laid out like a bias) and the rows' threshold pairs (predicate.RowThresholds), int32
+    (2, B, Hs, Sq|1) (packed: (2, 1, Hs, total_q)): [0] thresholds, [1] last ties; query head h
+    reads pair head h // (H / Hs)."""
+
+    scores: Elementwise
+    pairs: torch.Tensor
+
+    def operands(self, num_heads: int) -> tuple:
+        """scores, pairs, then one tuple: the scores' (batch, head, row, column) strides and head
+        divisor, the pairs' (pair, batch, head, row) strides (broadcasts 0) and head divisor."""
+        return (self.scores.tensor, self.pairs, (*self.scores.strides, self.scores.head_div,
+                                                 *broadcast_strides(self.pairs),
+                                                 num_heads // self.pairs.shape[2]))
+
+    @staticmethod
+    def placeholder_operands(device: torch.device) -> tuple:
+        return (placeholder(device, torch.float32), placeholder(device), (0, 0, 0, 0, 1) * 2)
+
+    @staticmethod
+    def form(term: "TopkTerm | None") -> tuple[bool, bool, bool]:
+        """(given, scores' rows shared, scores' columns shared): the Triton kernels' TOPK_FORM."""
+        return Elementwise.form(term.scores if term is not None else None)
 
 
 @triton.jit
@@ -538,3 +566,37 @@ def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, bloc
     full = end_k[:, None, :] <= shortest[..., None]
     states = torch.where(hidden, HIDDEN, torch.where(full, FULL, PARTIAL)).to(torch.int8)
     return states.unsqueeze(1)
+
+
+def topk_tile_states(term: TopkTerm, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+                     packed: PackedSequences | None = None) -> torch.Tensor:
+    """int8 states of the top-k term at (block_m, block_n) tiles, (B, Hs, n_q_tiles|1, n_k_tiles):
+    HIDDEN where every key of the tile scores below every row's threshold (no row keeps one),
+    FULL where every key scores above every row's threshold (every row keeps them all, ties
+    aside), else PARTIAL. Tiles are told apart for per-key scores (one row for every query) of
+    padded batches, from each key tile's lowest and highest order key and each query tile's
+    lowest and highest threshold: O(B * Hs * (Sq + Sk)) work beside the states. Other calls get
+    one PARTIAL state for every tile ((1, 1, 1, 1)): the kernels apply the term in each."""
+    scores, thresholds = term.scores, term.pairs[0]  # thresholds (B, Hs, Sq|1)
+    if packed is not None or not scores.rows_shared or scores.cols_shared:
+        return torch.full((1, 1, 1, 1), PARTIAL, dtype=torch.int8, device=thresholds.device)
+    lowest, highest = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    keys = order_keys(scores.tensor[:, :, 0, :seqlen_k])  # (B|1, Hm, Sk)
+    heads = thresholds.shape[1]
+    if keys.shape[1] not in (1, heads):  # a pair head j selects by score head j // (Hs / Hm)
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+    n_k = cdiv(seqlen_k, block_n)
+    pad_k = n_k * block_n - seqlen_k
+    tile_keys = (*keys.shape[:2], n_k, block_n)
+    key_lo = F.pad(keys, (0, pad_k), value=highest).view(tile_keys).amin(-1)[..., None, :]
+    key_hi = F.pad(keys, (0, pad_k), value=lowest).view(tile_keys).amax(-1)[..., None, :]
+    if thresholds.shape[-1] == 1:
+        row_lo = row_hi = thresholds[..., None]  # (B, Hs, 1, 1)
+    else:
+        n_q = cdiv(seqlen_q, block_m)
+        pad_q = n_q * block_m - seqlen_q
+        tile_rows = (*thresholds.shape[:2], n_q, block_m)
+        row_lo = F.pad(thresholds, (0, pad_q), value=highest).view(tile_rows).amin(-1)[..., None]
+        row_hi = F.pad(thresholds, (0, pad_q), value=lowest).view(tile_rows).amax(-1)[..., None]
+    states = torch.where(key_hi < row_lo, HIDDEN, torch.where(key_lo > row_hi, FULL, PARTIAL))
+    return states.to(torch.int8)

@@ -25,7 +25,8 @@ import triton.language as tl
 from ..predicate import EVERY_TIE, FULL, KEEP_ALL, PARTIAL, RowThresholds, selection_heads
 from ..runtime.launch import launch
 from ..runtime.switches import interpreting
-from .common import implicit_kv_range, load_pair_tile, sequence_bounds, visible_elements
+from .common import (implicit_kv_range, load_pair_tile, sequence_bounds, signed_order_keys,
+                     visible_elements)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs
 from .select_ranges import range_thresholds
@@ -44,11 +45,7 @@ INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS = 16, 16, 8
 def order_keys(x):
     """uint32 order keys of float scores: predicate.order_keys ^ 0x80000000, so that unsigned
     order is the scores' order (-0 = +0, NaN above +inf)."""
-    x = x.to(tl.float32)
-    bits = tl.where(x == 0, 0, x.to(tl.int32, bitcast=True))
-    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    keys = tl.where(x != x, 0x7FFFFFFF, keys)
-    return keys.to(tl.uint32, bitcast=True) ^ 0x80000000
+    return signed_order_keys(x).to(tl.uint32, bitcast=True) ^ 0x80000000
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ...kernels.elementwise import Elementwise
+from ...kernels.elementwise import Elementwise, TopkTerm
 from ...kernels.schedule import BlockBits, KernelArgs, Schedule, TileLists
 from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
                                   row_lens_operands, row_strides)
@@ -58,7 +58,8 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
                     schedule: Schedule | None, mask: Elementwise | None,
                     bias: Elementwise | None, dbias: tuple | None, row_lens: torch.Tensor | None,
                     packed: PackedSequences | None, dropout: tuple[float, int],
-                    deterministic: bool, row_order: torch.Tensor | None):
+                    deterministic: bool, row_order: torch.Tensor | None,
+                    topk: TopkTerm | None = None):
     """The Triton backward's dK/dV and dQ programs after the preprocess (`passes.
     attention_backward` has the layouts and the arguments' meaning): (dq, dk, dv), dk / dv
     reduced over each KV group. delta: the preprocess's rowsum(dO * O) - dlse; q, dout and lse
@@ -142,16 +143,18 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
         q, k, v, dout, lse, delta, dq_sum, dk, dv,
         row_strides(q), row_strides(k), row_strides(v), row_strides(dout), row_strides(dq_sum),
         row_strides(dk), row_strides(dv), lse_strides(lse),
-        *tensors_then_tuple(fwd_sched, 4), *tensors_then_tuple(t_sched, 4),
+        *fwd_sched[:4], *t_sched[:4], (fwd_sched[4:], t_sched[4:]),
         *tensors_then_tuple(mask.operands() if mask is not None else unused, 1),
         *tensors_then_tuple(bias.operands() if bias is not None else unused, 1),
         *dbias_operands,
         *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
         *(bits.operands() if bits is not None
           else BlockBits.placeholder_operands(q.device)),
-        (seqlen_q, seqlen_k, num_heads, group), (n_tiles_n, n_tiles_m),
-        (seqlen_k - seqlen_q, args.window_left, args.window_right), args.softmax_scale,
-        (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2),
+        *(topk.operands(num_heads) if topk is not None
+          else TopkTerm.placeholder_operands(q.device)),
+        (seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m),
+        (seqlen_k - seqlen_q, args.window_left, args.window_right),
+        (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, args.softmax_scale),
         (dropout[1], dropout[0]),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PROGRAMS=(heads_per_program, cfg.dkdv_apart, atomic_dq, longest_first),
@@ -166,7 +169,7 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
                        row_order is not None),
         VARLEN=packed is not None, DROPOUT=dropout[0] > 0, EXPLICIT=schedule is not None,
         BITS_FORM=BlockBits.kernel_form(bits), DOT_PRECISION=KernelArgs.dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        TOPK_FORM=TopkTerm.form(topk), num_warps=num_warps, num_stages=num_stages,
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)

@@ -8,8 +8,9 @@ import triton.language as tl
 
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
                                implicit_q_range, length_kv_range, length_q_range, load_pair_tile,
-                               load_rows, row_key_end, schedule_phase, schedule_rows, scores_log2,
-                               sequence_bounds, store_pair_tile, visible_elements)
+                               load_rows, row_key_end, row_pairs, schedule_phase, schedule_rows,
+                               scores_log2, sequence_bounds, store_pair_tile, topk_keep,
+                               visible_elements)
 
 
 @triton.jit
@@ -17,10 +18,11 @@ def _dkdv_tiles(
     dk, dv, dbias_keys, k, v, q_tile, do_tile, lse_tile, delta_tile,
     tile_list, first_tile, num_tiles, offs_m, offs_n, offs_d, stride_qm, stride_dom,
     mask_view, bias_view, dbias_view, cols_left, row_lens, row_order, seqlen_q, seqlen_k,
-    window, scores, rng, bits, dq_tile, stride_dqm, softmax_scale,
+    window, scores, rng, bits, dq_tile, stride_dqm, softmax_scale, topk_view,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, TOPK_FORM: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_ACCUMULATE: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -37,9 +39,12 @@ def _dkdv_tiles(
     delta come in length order). Grouped arguments: mask_view / bias_view / dbias_view (pointer,
     stride along queries, stride along keys), window (diag_offset, left, right), scores (`scores_log2`'s
     scale and softcap terms), rng (seed, base, stride, dropout_p), bits (this key tile's bitmap
-    column, its stride along query blocks, the bitmaps); MASK_FORM / BIAS_FORM (given, rows
-    shared, columns shared)."""
+    column, its stride along query blocks, the bitmaps), topk_view (the top-k scores at this key
+    tile's first key, their query and key strides, this head's threshold pairs at query 0, the
+    pairs' pair and row strides); MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns
+    shared)."""
     mask_cols, stride_mm, stride_mn = mask_view
+    score_cols, stride_tm, stride_tn, pair_rows, stride_tp, stride_tpm = topk_view
     bias_cols, stride_bm, stride_bn = bias_view
     dbias_cols, stride_dbm, stride_dbn = dbias_view
     diag_offset, window_left, window_right = window
@@ -100,6 +105,14 @@ def _dkdv_tiles(
                 visible_t = visible_t & block_bits_keep(
                     bit_col + (start_m // USER_BQ) * stride_sq, block_bits, rows, offs_n,
                     USER_BQ, USER_BK, True)
+            if TOPK_FORM[0]:
+                threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm)
+                top_scores_t = load_pair_tile(
+                    score_cols + start_m.to(tl.int64) * stride_tm, local_n, offs_m, stride_tn,
+                    stride_tm, cols_left, seqlen_q - start_m, TOPK_FORM[2], TOPK_FORM[1],
+                    EVEN_N, EVEN_M)
+                visible_t = visible_t & topk_keep(top_scores_t, offs_n, threshold, last_tie,
+                                                  True)
             p_t = tl.where(visible_t, p_t, 0.0)
         if WITH_DK:
             # issued before dV's matmul: after it, H100 block-sparse 16k fwd+bwd took 16.72 ms
@@ -148,10 +161,11 @@ def _dkdv_tiles(
 def _dq_tiles(
     dq, dbias_rows, q, do, lse, delta, k_tile, v_tile, tile_list, first_tile, num_tiles,
     offs_m, offs_n, offs_d, stride_kn, stride_vn, mask_view, bias_view, rows_left, dbias_view,
-    seqlen_k, key_end, window, scores, rng, bits,
+    seqlen_k, key_end, window, scores, rng, bits, topk_view,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
     SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr,
+    TOPK_FORM: tl.constexpr,
     DROPOUT: tl.constexpr, DBIAS: tl.constexpr, DBIAS_TILES: tl.constexpr,
     HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -162,8 +176,10 @@ def _dq_tiles(
     score gradient is summed over keys into dbias_rows [BM]; with DBIAS_TILES (a full bias, one
     head per query head) it is stored per element from dbias_tile_rows, contiguous along keys.
     Grouped arguments as `_dkdv_tiles`'s (pointers at this query tile's first row, key 0;
-    bits: this query tile's bitmap row, its stride along key blocks, the bitmaps)."""
+    bits: this query tile's bitmap row, its stride along key blocks, the bitmaps; topk_view:
+    the top-k scores at this query tile's first row, their strides, the rows' pairs [BM])."""
     mask_rows, stride_mm, stride_mn = mask_view
+    score_rows, stride_tm, stride_tn, threshold, last_tie = topk_view
     bias_rows, stride_bm, stride_bn = bias_view
     dbias_tile_rows, stride_dbm, stride_dbn = dbias_view
     diag_offset, window_left, window_right = window
@@ -213,6 +229,12 @@ def _dq_tiles(
                 visible = visible & block_bits_keep(
                     bit_row + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                     USER_BQ, USER_BK, False)
+            if TOPK_FORM[0]:
+                top_scores = load_pair_tile(
+                    score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n, stride_tm,
+                    stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1], TOPK_FORM[2],
+                    EVEN_M, EVEN_N)
+                visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         if DROPOUT:
@@ -235,10 +257,11 @@ def _dkdv_program(
     tile_n, off_b, first_head, HEADS: tl.constexpr, kv_slot, Q, DOut, Lse, Delta, DK, DV, DQ,
     k_base, v_base, q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
     lse_strides, dq_strides, lists, list_strides, mask_view, bias_view, dbias_view, row_lens,
-    row_order, bits, seqlen_q, seqlen_k, window, softmax_scale, scores, rng,
+    row_order, bits, seqlen_q, seqlen_k, window, softmax_scale, scores, rng, topk_view,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, TOPK_FORM: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_PER_QHEAD: tl.constexpr, EXPLICIT: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -255,8 +278,8 @@ def _dkdv_program(
     mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
     (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
     strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
-    rng (seed, batch base, head stride, row stride, dropout_p); MASK_FORM / BIAS_FORM (given,
-    rows shared, columns shared)."""
+    rng (seed, batch base, head stride, row stride, dropout_p), topk_view (bwd_kernel's);
+    MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared)."""
     stride_qb, stride_qm, stride_qh = q_strides
     stride_dob, stride_dom, stride_doh = do_strides
     stride_dkb, stride_dkn, stride_dkh = dk_strides
@@ -273,6 +296,8 @@ def _dkdv_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
+    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -315,6 +340,9 @@ def _dkdv_program(
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
         bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
+        score_cols = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
+            + start_n.to(tl.int64) * stride_tsn
+        pair_rows = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
         dbias_slot = off_h if DBIAS_PER_QHEAD else kv_slot
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
@@ -335,9 +363,10 @@ def _dkdv_program(
                 (qk_scale_log2, softcap_inv_scaled, softcap_log2),
                 (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
                 (bit_col, stride_sq, block_bits), dq_tile, stride_dqm, softmax_scale,
+                (score_cols, stride_tsm, stride_tsn, pair_rows, stride_tp, stride_tpm),
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-                (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
+                (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), TOPK_FORM, HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
                 HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION,
                 ATOMIC_DQ, ROW_ORDER, WITH_DK, WITH_DV)
         if DBIAS and WITH_DK and BIAS_ROWS_SHARED:
@@ -363,10 +392,11 @@ def _dq_program(
     tile_m, off_b, off_h, Q, DOut, Lse, Delta, DQ, k_base, v_base, q_strides, stride_kn,
     stride_vn, do_strides, dq_strides, lse_strides, lists, list_strides, mask_view, bias_view,
     dbias_view, row_lens, row_order, bits, seqlen_q, seqlen_k, window, softmax_scale, scores,
-    rng,
+    rng, topk_view,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
+    MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr, TOPK_FORM: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, DROPOUT: tl.constexpr, DBIAS: tl.constexpr,
     DBIAS_TILES: tl.constexpr, EXPLICIT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr,
     USER_BQ: tl.constexpr, USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -381,8 +411,8 @@ def _dq_program(
     mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
     (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
     strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
-    rng (seed, batch base, head stride, row stride, dropout_p); MASK_FORM / BIAS_FORM (given,
-    rows shared, columns shared)."""
+    rng (seed, batch base, head stride, row stride, dropout_p), topk_view (bwd_kernel's);
+    MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared)."""
     stride_qb, stride_qm, stride_qh = q_strides
     stride_dob, stride_dom, stride_doh = do_strides
     stride_dqb, stride_dqm, stride_dqh = dq_strides
@@ -397,6 +427,8 @@ def _dq_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
+    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -429,6 +461,14 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_dbm
     key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
+    score_rows = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
+        + start_m.to(tl.int64) * stride_tsm
+    threshold = tl.zeros([BLOCK_M], tl.int32)
+    last_tie = threshold
+    if TOPK_FORM[0]:
+        threshold, last_tie = row_pairs(
+            pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m,
+            seqlen_q, stride_tpm)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
@@ -454,9 +494,10 @@ def _dq_program(
             (qk_scale_log2, softcap_inv_scaled, softcap_log2),
             (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
             (bit_row, stride_sk, block_bits),
+            (score_rows, stride_tsm, stride_tsn, threshold, last_tie),
             EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
             HAS_ROW_LENS or not EVEN_N, SOFTCAP, (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
-            (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), DROPOUT, DBIAS, DBIAS_TILES,
+            (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), TOPK_FORM, DROPOUT, DBIAS, DBIAS_TILES,
             HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     dq = dq * softmax_scale
     dq_rows = start_m.to(tl.int64) + local_m[:, None]
@@ -480,17 +521,16 @@ def _dq_program(
 def bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, q_strides, k_strides, v_strides, do_strides,
     dq_strides, dk_strides, dv_strides, lse_strides,
-    KvNum, KvIdx, FullKvNum, FullKvIdx, kv_list_strides,
-    QNum, QIdx, FullQNum, FullQIdx, q_list_strides,
+    KvNum, KvIdx, FullKvNum, FullKvIdx, QNum, QIdx, FullQNum, FullQIdx, list_strides,
     Mask, mask_layout, Bias, bias_layout, DBias, dbias_strides,
     RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK, BitSlots, bit_strides, BlockBits,
-    shape, tile_counts, window, softmax_scale, scores, rng,
+    TopkScores, TopkPairs, topk_layout, shape, window, scores, rng,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr,
     DKDV_TILE: tl.constexpr, DQ_TILE: tl.constexpr, WINDOW_FORM: tl.constexpr,
     SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr,
     DBIAS_FORM: tl.constexpr, ROW_LENS_FORM: tl.constexpr, VARLEN: tl.constexpr,
     DROPOUT: tl.constexpr, EXPLICIT: tl.constexpr, BITS_FORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TOPK_FORM: tl.constexpr,
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
@@ -501,16 +541,17 @@ def bwd_kernel(
     longest run first.
     Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
     rest is grouped: the tensors' strides ((batch, row, head) / lse and delta (batch, head)),
-    kv_list_strides / q_list_strides ((b, h, row) of each of the four lists: of key tiles per query
-    tile, which the dQ programs walk / of query tiles per key tile, which the dK/dV programs walk),
-    mask_layout / bias_layout (batch, head, row, column strides, head divisor), dbias_strides
-    (batch, head, row, column), bit_strides (b, h, query block, key block), shape (seqlen_q,
-    seqlen_k, num_heads, group: query heads per KV head), tile_counts (n_tiles_n key tiles,
-    n_tiles_m query tiles), window (diag_offset, left, right), scores (`scores_log2`'s scale and
-    softcap terms), rng (seed, dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ
+    list_strides ((b, h, row) of each of the four lists of key tiles per query tile, which the
+    dQ programs walk, then of the four of query tiles per key tile, which the dK/dV programs
+    walk), mask_layout / bias_layout (batch, head, row, column strides, head divisor),
+    dbias_strides (batch, head, row, column), bit_strides (b, h, query block, key block),
+    topk_layout (TopkTerm.operands' strides), shape (seqlen_q, seqlen_k, num_heads, group: query
+    heads per KV head, n_tiles_n key tiles, n_tiles_m query tiles), window (diag_offset, left,
+    right), scores (`scores_log2`'s scale and softcap terms, softmax_scale), rng (seed,
+    dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ
     added by the dK/dV programs, no dQ programs, LONGEST_FIRST), DKDV_TILE / DQ_TILE (the dK/dV and
     the dQ programs' BLOCK_M, BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT),
-    MASK_FORM / BIAS_FORM (given, rows shared, columns shared), DBIAS_FORM (DBIAS, DBIAS_PER_QHEAD,
+    MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared), DBIAS_FORM (DBIAS, DBIAS_PER_QHEAD,
     DBIAS_TILES_IN_DQ: a full bias's tiles stored by the dQ programs), ROW_LENS_FORM (HAS_ROW_LENS,
     LENGTH_RANGES: query ranges from the lengths, ROW_ORDER), BITS_FORM (HAS_BITS, USER_BQ,
     USER_BK)."""
@@ -520,10 +561,13 @@ def bwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
     stride_dbb, stride_dbh, stride_dbm, stride_dbn = dbias_strides
     stride_sb, stride_sh, stride_sq, stride_sk = bit_strides
-    seqlen_q, seqlen_k, num_heads, group = shape
-    n_tiles_n, n_tiles_m = tile_counts
+    (stride_tsb, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     stride_tp, stride_tpb, stride_tph, stride_tpm, pair_head_div) = topk_layout
+    seqlen_q, seqlen_k, num_heads, group, n_tiles_n, n_tiles_m = shape
     diag_offset, window_left, window_right = window
+    qk_scale_log2, softcap_inv_scaled, softcap_log2, softmax_scale = scores
     rng_seed, dropout_p = rng
+    kv_list_strides, q_list_strides = list_strides
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HEADS_PER_PROGRAM: tl.constexpr = PROGRAMS[0]
     DKDV_APART: tl.constexpr = PROGRAMS[1]
@@ -585,6 +629,10 @@ def bwd_kernel(
     row_lens = RowLens + off_b.to(tl.int64) * stride_rlb + row0
     row_order = RowOrder + off_b.to(tl.int64) * stride_rlb
     bit_batch = BitSlots + off_b * stride_sb
+    topk_view = (TopkScores + off_b.to(tl.int64) * stride_tsb + row0 * stride_tsm, stride_tsh,
+                 stride_tsm, stride_tsn, score_head_div,
+                 TopkPairs + off_b.to(tl.int64) * stride_tpb + row0 * stride_tpm, stride_tp,
+                 stride_tph, stride_tpm, pair_head_div)
     kv_split = group // HEADS_PER_PROGRAM
     kv_programs = n_tiles_n * kv_split * (2 if DKDV_APART else 1)
     if pid < kv_programs:
@@ -606,9 +654,10 @@ def bwd_kernel(
                     (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
                     (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
                     seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
-                    scores, (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
+                    (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+                    (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p), topk_view,
                     HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                    MASK_FORM, BIAS_FORM, HAS_ROW_LENS, DROPOUT,
+                    MASK_FORM, BIAS_FORM, TOPK_FORM, HAS_ROW_LENS, DROPOUT,
                     DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ,
                     DBIAS_PER_QHEAD, EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK,
                     DOT_PRECISION, ATOMIC_DQ, LENGTH_RANGES, ROW_ORDER,
@@ -629,9 +678,10 @@ def bwd_kernel(
             (dbias_batch, stride_dbh, stride_dbm, stride_dbn), row_lens, row_order,
             (bit_batch, stride_sh, stride_sq, stride_sk, BlockBits),
             seqlen_q, seqlen_k, (diag_offset, window_left, window_right), softmax_scale,
-            scores, (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p),
+            (qk_scale_log2, softcap_inv_scaled, softcap_log2),
+            (rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p), topk_view,
             HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            MASK_FORM, BIAS_FORM, HAS_ROW_LENS, DROPOUT,
+            MASK_FORM, BIAS_FORM, TOPK_FORM, HAS_ROW_LENS, DROPOUT,
             DBIAS and BIAS_COLS_SHARED,
             DBIAS_TILES_IN_DQ, EXPLICIT, EVEN_M2, EVEN_N2, HAS_BITS, USER_BQ, USER_BK,
             DOT_PRECISION, LENGTH_RANGES, ROW_ORDER)

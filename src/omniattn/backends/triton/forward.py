@@ -7,10 +7,10 @@ import triton
 import triton.language as tl
 
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
-                               length_kv_range, load_pair_tile, load_rows, row_key_end,
+                               length_kv_range, load_pair_tile, load_rows, row_key_end, row_pairs,
                                schedule_phase, schedule_rows, scores_log2, sequence_bounds,
-                               visible_elements)
-from ...kernels.elementwise import Elementwise
+                               topk_keep, visible_elements)
+from ...kernels.elementwise import Elementwise, TopkTerm
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
 from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
                                   row_lens_operands, row_strides, tma_compatible)
@@ -27,7 +27,7 @@ def _fwd_tiles(
     mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, rows_left,
     seqlen_k, key_end, diag_offset, window_left, window_right,
     qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride, dropout_p,
-    bit_slots, stride_sk, block_bits,
+    bit_slots, stride_sk, block_bits, topk_view,
     FROM_LIST: tl.constexpr, PARTIAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEY_BOUND: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -36,13 +36,18 @@ def _fwd_tiles(
     DROPOUT: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PLAIN_SCORES: tl.constexpr,
+    TOPK_FORM: tl.constexpr,
 ):
     """Online softmax over `num_tiles` key tiles: listed in `tile_list` or first_tile, +1, ...
     k_src / v_src: tensor descriptors of this sequence's keys / values (TMA) or pointers to
     their [BN, BD] tile at key 0.
     mask_rows / bias_rows point at this query tile's first row (key 0) of the mask / bias;
     key_end [BM] is where each row's keys end (PARTIAL tiles only); bit_slots points at the
-    block-bitmap slots of this query tile's user block row (HAS_BITS)."""
+    block-bitmap slots of this query tile's user block row (HAS_BITS); topk_view: the top-k
+    scores at this query tile's first row (key 0), their row and key strides, the rows'
+    threshold pairs [BM] (TOPK_FORM: given, rows shared, columns shared)."""
+    score_rows, stride_tm, stride_tn, threshold, last_tie = topk_view
+    HAS_TOPK: tl.constexpr = TOPK_FORM[0]
     local_m = tl.arange(0, offs_m.shape[0])
     if FROM_LIST:
         # the next index is loaded one iteration ahead: tile addresses never wait on it
@@ -91,6 +96,12 @@ def _fwd_tiles(
                     visible = visible & block_bits_keep(
                         bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                         USER_BQ, USER_BK, False)
+                if HAS_TOPK:
+                    top_scores = load_pair_tile(
+                        score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n,
+                        stride_tm, stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1],
+                        TOPK_FORM[2], EVEN_M, EVEN_N)
+                    visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
                 s = tl.where(visible, s, float("-inf"))
             elif not EVEN_N:
                 # a FULL tile of an explicit schedule may still run past Sk
@@ -114,13 +125,13 @@ def _fwd_kernel(
     Q, K, V, Out, Lse, q_strides, k_strides, v_strides, out_strides, lse_strides,
     KvNum, KvIdx, FullKvNum, FullKvIdx, list_strides, Mask, mask_layout, Bias, bias_layout,
     RowLens, stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK, BitSlots, bit_strides, BlockBits,
-    shape, window, scores, rng,
+    TopkScores, TopkPairs, topk_layout, shape, window, scores, rng,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
     WINDOW_FORM: tl.constexpr, SOFTCAP: tl.constexpr, MASK_FORM: tl.constexpr,
     BIAS_FORM: tl.constexpr, ROW_LENS_FORM: tl.constexpr, VARLEN: tl.constexpr,
     DROPOUT: tl.constexpr, EXPLICIT: tl.constexpr, BITS_FORM: tl.constexpr,
     REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    PLAIN_SCORES: tl.constexpr,
+    PLAIN_SCORES: tl.constexpr, TOPK_FORM: tl.constexpr,
 ):
     """Out and Lse of query tile program_id(0) of (batch x query head) program_id(1).
     Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
@@ -129,8 +140,9 @@ def _fwd_kernel(
     column strides, head divisor), bit_strides (b, h, query block, key block), shape (seqlen_q,
     seqlen_k, num_heads, group: query heads per KV head), window (diag_offset, left, right),
     scores (`scores_log2`'s scale and softcap terms), rng (seed, dropout_p); TILE (BLOCK_M,
-    BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT), MASK_FORM / BIAS_FORM (given,
-    rows shared, columns shared), ROW_LENS_FORM (HAS_ROW_LENS, LENGTH_RANGES: key ranges from
+    BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT), MASK_FORM / BIAS_FORM / TOPK_FORM
+    (given, rows shared, columns shared; top-k: of its scores), topk_layout (TopkTerm.operands'
+    strides), ROW_LENS_FORM (HAS_ROW_LENS, LENGTH_RANGES: key ranges from
     the lengths, ROW_ORDER), BITS_FORM (HAS_BITS, USER_BQ, USER_BK)."""
     stride_qb, stride_qm, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
@@ -146,6 +158,8 @@ def _fwd_kernel(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, dropout_p = rng
+    (stride_tsb, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     stride_tp, stride_tpb, stride_tph, stride_tpm, pair_head_div) = topk_layout
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     BLOCK_M: tl.constexpr = TILE[0]
     BLOCK_N: tl.constexpr = TILE[1]
@@ -216,6 +230,15 @@ def _fwd_kernel(
     key_end = row_key_end(RowLens + off_b.to(tl.int64) * stride_rlb + first_q, offs_m, seqlen_q,
                           seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
+    score_rows = TopkScores + off_b.to(tl.int64) * stride_tsb \
+        + (off_h // score_head_div).to(tl.int64) * stride_tsh + row0 * stride_tsm
+    threshold = tl.zeros([BLOCK_M], tl.int32)
+    last_tie = threshold
+    if TOPK_FORM[0]:
+        threshold, last_tie = row_pairs(
+            TopkPairs + off_b.to(tl.int64) * stride_tpb
+            + (off_h // pair_head_div).to(tl.int64) * stride_tph + first_q * stride_tpm,
+            stride_tp, offs_m, seqlen_q, stride_tpm)
     # rows in length order: row offs_m of this tile is the caller's row caller_m
     caller_m = offs_m
     if ROW_ORDER:
@@ -256,11 +279,11 @@ def _fwd_kernel(
             seqlen_k, key_end, diag_offset, window_left, window_right,
             qk_scale_log2, softcap_inv_scaled, softcap_log2, rng_seed, rng_base, rng_stride,
             dropout_p, bit_slots, stride_sk, BlockBits,
-            EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
+            (score_rows, stride_tsm, stride_tsn, threshold, last_tie), EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT,
             HAS_ROW_LENS or not EVEN_N, SOFTCAP,
             HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED, HAS_BIAS, BIAS_ROWS_SHARED,
             BIAS_COLS_SHARED, DROPOUT, HAS_BITS, USER_BQ, USER_BK, HEAD_DIM, BLOCK_D, BLOCK_N,
-            DOT_PRECISION, TMA, PLAIN_SCORES)
+            DOT_PRECISION, TMA, PLAIN_SCORES, TOPK_FORM)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: 0
@@ -291,13 +314,14 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
                    out: torch.Tensor, lse: torch.Tensor, schedule: TileLists | None,
                    bits: BlockBits | None, mask: Elementwise | None, bias: Elementwise | None,
                    row_lens: torch.Tensor | None, packed: PackedSequences | None,
-                   dropout: tuple[float, int], row_order: torch.Tensor | None) -> None:
+                   dropout: tuple[float, int], row_order: torch.Tensor | None,
+                   topk: TopkTerm | None = None) -> None:
     """The Triton forward into out / lse, for a call with keys and queries (`passes.
     attention_forward` has the layouts and the arguments' meaning)."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
-    elementwise = mask is not None or bias is not None
+    elementwise = mask is not None or bias is not None or topk is not None
     tma = tma_enabled(q.device) and tma_compatible(q, k, v, out)
     masked = args.masked or schedule is not None
     cfg = forward_config(head_dim, q.dtype, masked, elementwise, tma)
@@ -326,6 +350,8 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
             *row_lens_operands(row_lens, q.device, row_order), *packed_operands(packed, q.device),
             *(bits.operands() if bits is not None
               else BlockBits.placeholder_operands(q.device)),
+            *(topk.operands(num_heads) if topk is not None
+              else TopkTerm.placeholder_operands(q.device)),
             (seqlen_q, seqlen_k, num_heads, num_heads // num_heads_k),
             (seqlen_k - seqlen_q, args.window_left, args.window_right),
             (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2),
@@ -341,5 +367,6 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
             REVERSE_M=schedule is None and args.later_rows_see_more,
             DOT_PRECISION=KernelArgs.dot_precision(q.dtype), TMA=tma,
             PLAIN_SCORES=even_n and bias is None and args.softcap == 0,
+            TOPK_FORM=TopkTerm.form(topk),
             num_warps=num_warps, num_stages=num_stages,
         )
