@@ -598,5 +598,8 @@ def topk_tile_states(term: TopkTerm, seqlen_q: int, seqlen_k: int, block_m: int,
         tile_rows = (*thresholds.shape[:2], n_q, block_m)
         row_lo = F.pad(thresholds, (0, pad_q), value=highest).view(tile_rows).amin(-1)[..., None]
         row_hi = F.pad(thresholds, (0, pad_q), value=lowest).view(tile_rows).amax(-1)[..., None]
-    states = torch.where(key_hi < row_lo, HIDDEN, torch.where(key_lo > row_hi, FULL, PARTIAL))
-    return states.to(torch.int8)
+    # int8 from the start: torch.where on Python ints would make int64 maps (8x the memory)
+    states = torch.full(torch.broadcast_shapes(key_hi.shape, row_lo.shape), PARTIAL,
+                        dtype=torch.int8, device=keys.device)
+    states.masked_fill_(key_hi < row_lo, HIDDEN)
+    return states.masked_fill_(key_lo > row_hi, FULL)
