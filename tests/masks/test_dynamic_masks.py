@@ -4,12 +4,14 @@ attention(topk=...) keeps on either path (the kernels', the chunked one); the me
 with them (issue #4)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from helpers import brute_force_topk, visible_keys
 from omniattn import attention
-from omniattn.masks import prepare_dynamic_mask, topk_mask
+from omniattn.masks import prepare_dynamic_mask, topk_block_mask, topk_mask
 from omniattn.predicate import order_keys, topk_keep
 from omniattn.reference import topk_thresholds
 
@@ -154,3 +156,113 @@ def test_key_bias_training_memory(mask_layout):
     assert peak <= 8 * rows + 8 * per_key + 4 * per_tile, (peak, rows)
     assert peak < batch * heads * seqlen * seqlen  # a byte per (Sq, Sk) element would not fit
     assert grads[3].shape == bias.shape and torch.isfinite(grads[3]).all()
+
+
+def smoothed_by_blocks(keep: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The original's block_smooth, block by block: each block of `block_size` keys (the last
+    one the remainder) becomes all True when more than half of its keys are, else all False."""
+    smoothed = torch.zeros_like(keep)
+    for start in range(0, keep.shape[-1], block_size):
+        block = keep[..., start:start + block_size]
+        majority = 2 * block.sum(-1, keepdim=True) > block.shape[-1]
+        smoothed[..., start:start + block_size] = majority.expand_as(block)
+    return smoothed
+
+
+BLOCK_CASES = [  # scores shape, mask shape, causal: Sq = 9, Sk = 23
+    ((2, 3, 1, 23), None, True),  # dt states, causal
+    ((2, 3, 1, 23), (2, 1, 1, 23), True),  # and padding
+    ((2, 3, 1, 23), (2, 1, 1, 23), False),  # every row alike
+    ((2, 3, 9, 23), (2, 1, 9, 23), False),  # per-row scores and mask
+    ((1, 1, 1, 23), (2, 3, 9, 23), True),
+]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "chunks"])
+@pytest.mark.parametrize("block_size", [2, 3, 5, 16, 30])
+@pytest.mark.parametrize("scores_shape, mask_shape, causal", BLOCK_CASES)
+def test_block_size_smooths_the_selection(scores_shape, mask_shape, causal, block_size, kernels,
+                                          monkeypatch):
+    """topk_mask(block_size=) is the brute-force top-k (integer scores: ties everywhere, some
+    NaN and -inf) smoothed block by block, then ANDed with what the rows see; topk_block_mask's
+    BlockMask, ANDed with the same, keeps exactly that too."""
+    if not kernels:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    generator = torch.Generator().manual_seed(block_size + len(BLOCK_CASES) * scores_shape[2])
+    scores = torch.randint(-2, 3, scores_shape, generator=generator).float()
+    draw = torch.rand(scores_shape, generator=generator)
+    scores = torch.where(draw < 0.05, float("nan"), torch.where(draw > 0.95, -float("inf"),
+                                                                 scores))
+    mask = None if mask_shape is None else torch.rand(mask_shape, generator=generator) > 0.3
+    visible = visible_keys(2, 3, 9, 23, causal, attn_mask=mask).cpu()
+    expected = smoothed_by_blocks(brute_force_topk(scores.expand(visible.shape), visible, 4),
+                                  block_size) & visible
+    keep = topk_mask(scores, 4, mask, causal=causal, seqlen_q=9, chunk_size=4,
+                     block_size=block_size)
+    assert torch.equal(keep.expand(visible.shape), expected)
+    block_mask = topk_block_mask(scores, 4, block_size, mask, causal=causal, seqlen_q=9,
+                                 chunk_size=4)
+    assert block_mask.block_size == (16, math.lcm(block_size, 16))
+    assert torch.equal(block_mask.visible(torch.arange(9), 9, 23).expand(visible.shape) & visible,
+                       expected)
+
+
+def test_topk_block_mask_spreads_kv_heads_to_query_heads():
+    """A selection over Hk = 2 heads becomes a BlockMask over H = 6: query head h reads KV head
+    h // 3."""
+    torch.manual_seed(3)
+    scores = torch.randn(2, 2, 1, 40)
+    keep = topk_mask(scores, 9, causal=True, seqlen_q=40, block_size=8)
+    block_mask = topk_block_mask(scores, 9, 8, causal=True, seqlen_q=40, num_heads=6)
+    assert block_mask.shape == (2, 6, 40, 40)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    seen = block_mask.visible(torch.arange(40), 40, 40) & causal
+    assert torch.equal(seen, keep.repeat_interleave(3, dim=1))
+    with pytest.raises(ValueError, match=r"^num_heads \(5\) must be a multiple of the "
+                                         r"selection's heads \(2"):
+        topk_block_mask(scores, 9, 8, causal=True, seqlen_q=40, num_heads=5)
+
+
+def test_prepare_dynamic_mask_block_size():
+    torch.manual_seed(4)
+    hidden = torch.randn(2, 4, 10, 8)
+    dt_states = torch.randn(2, 2, 25)
+    _, mask = prepare_dynamic_mask(hidden, dt_states, 6, block_size=5)
+    _, plain = prepare_dynamic_mask(hidden, dt_states, 6)
+    assert mask.shape == (2, 2, 1, 25)
+    assert torch.equal(mask, smoothed_by_blocks(plain, 5))
+
+
+def test_bad_block_arguments():
+    with pytest.raises(ValueError, match=r"^block_size must be a positive int, got 0$"):
+        topk_mask(torch.randn(1, 1, 1, 8), 2, block_size=0)
+    with pytest.raises(TypeError, match=r"^block_size must be a positive int, got 2.0$"):
+        topk_block_mask(torch.randn(1, 1, 1, 8), 2, 2.0)
+    with pytest.raises(ValueError, match=r"^scores and attention_mask must broadcast to 4-D "
+                                         r"\(B\|1, Hs, Sq\|1, Sk\), got shape \(1, 1, 8\)$"):
+        topk_block_mask(torch.randn(1, 1, 8), 2, 4)
+    with pytest.raises(ValueError, match=r"^scores and attention_mask have 3 query rows, "
+                                         r"expected 1 or seqlen_q = 5$"):
+        topk_block_mask(torch.randn(1, 1, 3, 8), 2, 4, seqlen_q=5)
+    with pytest.raises(ValueError, match=r"^scores and attention_mask have 3 query rows"):
+        topk_block_mask(torch.randn(1, 1, 3, 8), 2, 4, causal=True, seqlen_q=5)
+
+
+@pytest.mark.parametrize("causal, scores_rows", [(True, 1), (False, 40)],
+                         ids=["causal_key_scores", "row_scores"])
+def test_attention_with_topk_block_mask_on_the_kernels(causal, scores_rows):
+    """Under the interpreter (the kernels' path) attention with topk_block_mask's BlockMask and
+    the padding gives attention with the materialised smoothed mask, forward and backward."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 40, 2, 16, requires_grad=True) for _ in range(3))
+    scores = torch.randn(1, 2, scores_rows, 40)
+    padding = torch.rand(1, 1, 1, 40) > 0.2
+    block_mask = topk_block_mask(scores, 12, 8, padding, causal=causal, seqlen_q=40)
+    keep = topk_mask(scores, 12, padding, causal=causal, seqlen_q=40, block_size=8)
+    out = attention(q, k, v, causal=causal, attn_mask=padding, block_mask=block_mask)
+    expected = attention(q, k, v, causal=causal, attn_mask=keep)
+    torch.testing.assert_close(out, expected)
+    dout = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout),
+                         torch.autograd.grad(expected, (q, k, v), dout)):
+        torch.testing.assert_close(got, want)

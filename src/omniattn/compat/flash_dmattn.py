@@ -47,7 +47,10 @@ def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, softmax
           (B, Hk, 1|Sq, Sk), not both expanded to (B, Hk, Sq, Sk), and does not fill the bias
           with the dtype's minimum where masked (the mask carries that). Its top-k breaks ties
           to the lower key index (torch.topk's order is unspecified) and ranks NaN highest: the
-          rule of `attention(topk=...)`, so the mask keeps what that call would.
+          rule of `attention(topk=...)`, so the mask keeps what that call would. Its
+          `block_size` (of flash-dmattn's later `create_mask`) smooths the selection as the
+          original does, then ANDs it with attention_mask and causal: a majority block never
+          shows a key they hide.
     """
     out, lse = attention(query, key, value, causal=bool(is_causal), softmax_scale=softmax_scale,
                          softcap=float(softcap or 0.0), attn_mask=attn_mask, attn_bias=attn_bias,

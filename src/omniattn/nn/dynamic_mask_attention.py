@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import attention
-from ..masks.dynamic import prepare_dynamic_mask
+from ..masks.dynamic import keep_window_arguments
 
 
 def _check_positive(name: str, value, optional: bool = False) -> None:
@@ -34,19 +34,31 @@ class DynamicMaskAttention(nn.Module):
     blow up exponentially as A grows, its gradient stays O(1), and with A = 0 at init the layer
     starts as plain attention (bias 0) with a uniform top-k.
 
+    Keep window: each query keeps the `window_size` keys of highest dt among those it sees
+    (causal, padding), ties to the lower key index: `attention(topk=window_size,
+    topk_scores=dt)` with dt (B, Hk, 1, S) as the bias, so no (S, S) tensor is built.
+    block_size (the original's `create_mask(block_size=)`): each query's selection is then
+    smoothed over blocks of `block_size` keys, a block kept whole when more than half of its
+    length was selected and dropped whole otherwise (`masks.topk_mask` gives the rule; note that
+    with causal a query drops the block of its own diagonal while it sees at most half of it).
+    Without causal every query selects alike and the smoothed selection is a (B, Hk, 1, S) key
+    mask; with causal it is a `masks.topk_block_mask` BlockMask, built from one bool per query
+    and key block.
+
     The module uses no positions (no rotary embedding): position information is the caller's to
     add to the hidden states.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_heads_k: int | None = None,
                  head_dim: int | None = None, window_size: int = 2048, causal: bool = True,
-                 bias: bool = False):
+                 bias: bool = False, block_size: int | None = None):
         super().__init__()
         _check_positive("hidden_size", hidden_size)
         _check_positive("num_heads", num_heads)
         _check_positive("num_heads_k", num_heads_k, optional=True)
         _check_positive("head_dim", head_dim, optional=True)
         _check_positive("window_size", window_size)
+        _check_positive("block_size", block_size, optional=True)
         num_heads_k = num_heads if num_heads_k is None else num_heads_k
         if num_heads % num_heads_k:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_heads_k "
@@ -57,7 +69,7 @@ class DynamicMaskAttention(nn.Module):
         self.hidden_size = hidden_size
         self.num_heads, self.num_heads_k = num_heads, num_heads_k
         self.head_dim = head_dim or hidden_size // num_heads
-        self.window_size, self.causal = window_size, causal
+        self.window_size, self.causal, self.block_size = window_size, causal, block_size
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_heads_k * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_heads_k * self.head_dim, bias=bias)
@@ -94,7 +106,7 @@ class DynamicMaskAttention(nn.Module):
         attention_mask: None, or a (B, S) key padding mask, bool or 0/1 (True / 1 = real token,
         as transformers' attention_mask): padded keys are hidden from every query and never
         enter its top-k; padded query rows output 0 (and pass no gradient). It reaches the
-        attention as a (B, 1, 1, S) key mask: without causal the keep mask stays (B, Hk, 1, S)."""
+        attention as a (B, 1, 1, S) key mask."""
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got "
                             f"{type(hidden_states).__name__}")
@@ -112,11 +124,12 @@ class DynamicMaskAttention(nn.Module):
         v_flat = self.v_proj(hidden_states)  # [B, S, Hk * D]
         v = v_flat.view(batch, seqlen, self.num_heads_k, self.head_dim)
         dt_states = (self.A * F.softplus(self.dt_proj(v_flat))).transpose(1, 2)  # [B, Hk, S]
-        # prepare_dynamic_mask takes query states as (B, H, Sq, D)
-        attn_bias, attn_mask = prepare_dynamic_mask(
-            q.transpose(1, 2), dt_states, self.window_size,
-            attention_mask=None if real is None else real[:, None, None, :], causal=self.causal)
-        out = attention(q, k, v, causal=self.causal, attn_mask=attn_mask, attn_bias=attn_bias)
+        scores = dt_states[:, :, None, :]  # [B, Hk, 1, S]: each key's score, shared by the rows
+        selection = keep_window_arguments(
+            scores, self.window_size, None if real is None else real[:, None, None, :],
+            causal=self.causal, seqlen_q=seqlen, num_heads=self.num_heads,
+            block_size=self.block_size)
+        out = attention(q, k, v, causal=self.causal, attn_bias=scores.to(q.dtype), **selection)
         out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         # o_proj's bias would make padded rows nonzero
         return out if real is None else out.masked_fill(~real[..., None], 0.0)
