@@ -77,7 +77,33 @@ def test_auto_choice_and_reasons(gloo):
     assert "\n  not ring: top-k keeps each row's best keys" in plans["mqa_topk"]
     # contiguous causal window (3, 0): rank 0 needs no other rank's keys
     assert plans["ring_window"].startswith("method: ring (asked for:")
-    assert "step 1, K/V of rank" in plans["ring_window"] and "skipped" in plans["ring_window"]
+    assert "\n  step 1, K/V of rank" in plans["ring_window"]
+    assert ": none seen here, not received; own K/V sent to rank 1" in plans["ring_window"]
+
+
+def test_explain_balance_and_layout_advice(gloo):
+    """The cost model in explain: zigzag balances causal work and advises nothing; contiguous
+    causal is told zigzag balances it; a narrow causal window moves fewer shards contiguous
+    (each rank sees the rank before only), which zigzag is told."""
+    plans, world = gloo["plans"], gloo["world"]
+    causal_zigzag = plans["mqa"]
+    assert f"\nK/V shards moved: {world * (world - 1)} of {world * (world - 1)} " in causal_zigzag
+    assert "; busiest / mean 1.00\n" in causal_zigzag and "suits" not in causal_zigzag
+    assert "\nlayout='zigzag' suits these masks better: its busiest rank has" \
+        in plans["ring_causal_contiguous"]
+    contiguous = plans["ring_narrow_contiguous"]
+    assert f"\nK/V shards moved: {world - 1} of " in contiguous and "suits" not in contiguous
+    assert f"\nlayout='contiguous' suits these masks better: its busiest rank has " \
+        in plans["ring_narrow_zigzag"]
+    assert f"K/V shards moved: {world - 1} (" in plans["ring_narrow_zigzag"]
+    if world > 2:  # contiguous: no rank sees the keys of the rank two behind
+        assert "\n  step 2: no rank sees keys of the rank 2 behind it, skipped" in contiguous
+
+
+def test_ring_moves_only_what_is_seen(gloo):
+    """Messages counted at batch_isend_irecv: exactly the shards (and gradients) of the pairs
+    of ranks whose rows see each other's keys (cp_workers.run_ring_messages)."""
+    assert gloo["results"]["ring-messages"] == "ok", gloo["results"]["ring-messages"]
 
 
 @pytest.mark.interpreter
