@@ -73,7 +73,8 @@ def test_bad_calls_fail_before_communication(gloo):
 def test_auto_choice_and_reasons(gloo):
     plans = gloo["plans"]
     assert plans["heads_split"].startswith("method: ulysses (auto: one single-device call")
-    assert plans["mqa"].startswith("method: ring (auto: K/V shards travel the ring")
+    assert plans["mqa"].startswith("method: ring (auto: K/V shards travel to the ranks whose "
+                                   "rows see them")
     assert "\n  not ulysses: it splits heads over the" in plans["mqa"]
     assert plans["mqa_topk"].startswith("method: allgather (auto:")
     assert "\n  not ring: top-k keeps each row's best keys" in plans["mqa_topk"]

@@ -33,9 +33,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
         layout: "zigzag" (rank r holds chunks r and 2P-1-r of 2P; balanced causal work) or
             "contiguous" (chunk r of P).
         method: "ulysses" (all-to-all to H/P heads of the whole sequence; needs H and Hk
-            multiples of P), "ring" (K/V passed around the ring, overlapped with compute;
-            pieces that see nothing skipped), "allgather" (K/V gathered; dK/dV
-            reduce-scattered) or "auto" (`explain` says which, and why).
+            multiples of P), "ring" (K/V shards sent to the ranks whose rows see them,
+            overlapped with compute; shards and pieces no row sees skipped), "allgather" (K/V
+            gathered; dK/dV reduce-scattered) or "auto" (`explain` says which, and why).
         causal, window, softmax_scale, softcap: as `omniattn.attention`, in global positions
             (bottom-right aligned over S x S).
         attn_bias: key-wise (B|1, Hm, 1, S/P), Hm in {1, Hk, H}: this rank's keys; it gets
