@@ -23,6 +23,7 @@ from ..predicate import HIDDEN, RelativePredicate
 from .layout import Chunk, chunks
 from .pieces import cut
 
+
 def layout_chunks(layout: str, world: int, seqlen: int) -> list[tuple[int, Chunk]]:
     """Every chunk of the layout as (owner rank, Chunk), in global order."""
     owned = [(rank, chunk) for rank in range(world)
