@@ -47,10 +47,13 @@ class Case:
 # every mask, in global positions; ulysses with odd heads is refused (tested among the errors)
 MASKS = ("none", "causal", "window", "causal_window", "softcap_scale", "key_bias",
          "block_random_causal", "block_documents", "row_lengths", "everything")
+# masks under which some rank sees none of another's keys: the ring skips those shards
+SKIPPING_MASKS = ("narrow_window", "band", "window_blocks", "short_rows")
 
 
 def cases() -> list[Case]:
     found = [Case(m, layout, mask) for m in METHODS for layout in LAYOUTS for mask in MASKS]
+    found += [Case("ring", layout, mask) for layout in LAYOUTS for mask in SKIPPING_MASKS]
     found += [Case(m, layout, mask, odd_heads=True) for m in ("ring", "allgather")
               for layout in LAYOUTS for mask in ("causal", "everything")]
     if "topk" in inspect.signature(_local_attention()).parameters:
@@ -75,8 +78,8 @@ def _arguments(mask: str, shapes: Shapes, seqlen: int, heads: tuple[int, int], d
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(device)
 
-    def lengths():
-        lens = torch.randint(0, seqlen + 1, (batch, seqlen), generator=generator)
+    def lengths(longest=seqlen):
+        lens = torch.randint(0, longest + 1, (batch, seqlen), generator=generator)
         lens[:, :3] = 0  # rows that see no key
         return lens.to(torch.int32).to(device)
 
@@ -110,6 +113,18 @@ def _arguments(mask: str, shapes: Shapes, seqlen: int, heads: tuple[int, int], d
         return {"causal": True, "window": (2 * chunk + 1, -1), "softcap": 3.0,
                 "attn_bias": randn(1, heads_q, 1, seqlen), "seqlens_k_per_row": lengths(),
                 "block_mask": random_blocks()}
+    if mask == "narrow_window":  # a chunk's rows see its keys and the chunk's before
+        return {"causal": True, "window": (chunk // 2, -1),
+                "attn_bias": randn(batch, heads_k, 1, seqlen)}
+    if mask == "band":
+        return {"window": (chunk // 2, chunk // 2)}
+    if mask == "window_blocks":  # the scaling benchmark's case, narrower
+        return {"block_mask": omniattn.window_block_mask(seqlen, seqlen, (chunk // 2, 0),
+                                                         causal=True, block_size=chunk,
+                                                         device=device),
+                "attn_bias": randn(1, heads_q, 1, seqlen)}
+    if mask == "short_rows":  # every row's keys lie in the first chunk (rank 0's)
+        return {"seqlens_k_per_row": lengths(chunk), "causal": True}
     if mask == "topk":
         return {"causal": True, "topk": chunk // 2 + 1,
                 "topk_scores": randn(batch, 1, 1, seqlen), "attn_bias": randn(batch, 1, 1, seqlen)}
@@ -233,6 +248,95 @@ def run_backward_without_forward(shapes: Shapes, device, dtype) -> None:
         pieces.local_attention, pieces.local_backward, autograd._forward_impl = saved
 
 
+def _dense_needs(kwargs: dict, world: int, layout: str, seqlen: int) -> list[list[bool]]:
+    """needs[r][s]: some row of rank r sees some key of rank s, from every (row, key) pair of
+    the causal / window predicate and the per-row key lengths (any batch)."""
+    from omniattn.distributed.layout import to_shards
+    from omniattn.predicate import RelativePredicate
+
+    positions = torch.arange(seqlen)
+    predicate = RelativePredicate.make(kwargs.get("causal", False), kwargs.get("window"))
+    visible = predicate.holds(positions[:, None], positions[None, :], seqlen, seqlen)
+    if "seqlens_k_per_row" in kwargs:
+        longest = kwargs["seqlens_k_per_row"].cpu().amax(0)
+        visible = visible & (positions[None, :] < longest[:, None])
+    held = to_shards(positions, layout, world, 0)
+    return [[bool(visible[held[r]][:, held[s]].any()) for s in range(world)]
+            for r in range(world)]
+
+
+def run_ring_messages(shapes: Shapes, device, dtype) -> None:
+    """The ring moves only what some row of the receiving rank sees: each rank's messages,
+    counted at torch.distributed.batch_isend_irecv, are exactly its K/V (and key bias) to the
+    ranks whose rows see them and back from the ranks whose keys its rows see (forward, and
+    again in the backward, where the float32 gradients of each received shard go back to its
+    owner); every rank's count is checked on every rank, and some pair must be skipped."""
+    from collections import Counter
+
+    from omniattn import distributed as cp
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seqlen = shapes.chunk * 2 * world
+    heads = (shapes.heads, shapes.heads_k)
+    log: list[tuple] = []
+    real = dist.batch_isend_irecv
+
+    def logged(ops):
+        log.extend(("send" if op.op is dist.isend else "receive", op.peer, op.tensor.numel(),
+                    op.tensor.dtype) for op in ops)
+        return real(ops)
+
+    problems, skipped = [], 0
+    for layout in LAYOUTS:
+        for mask in ("narrow_window", "short_rows"):
+            generator = torch.Generator().manual_seed(11)
+            kwargs = _arguments(mask, shapes, seqlen, heads, device, generator)
+            q, k, v = (torch.randn(shapes.batch, seqlen, h, shapes.head_dim,
+                                   generator=generator).to(device, dtype)
+                       for h in (heads[0], heads[1], heads[1]))
+            shard = {"layout": layout}
+            local = {name: cp.shard(value, dim=3 if name == "attn_bias" else 1, **shard)
+                     if isinstance(value, torch.Tensor) else value
+                     for name, value in kwargs.items()}
+            key_side = [cp.shard(k, **shard), cp.shard(v, **shard)]
+            if "attn_bias" in local:
+                local["attn_bias"] = local["attn_bias"].to(dtype).requires_grad_()
+                key_side.append(local["attn_bias"])
+            leaves = [cp.shard(q, **shard).requires_grad_()] + \
+                [t.requires_grad_() for t in key_side[:2]]
+            dist.batch_isend_irecv = logged
+            try:
+                out = cp.attention(*leaves, method="ring", **shard, **local)
+                forward = Counter(log)
+                log.clear()
+                out.float().square().sum().backward()
+                backward = Counter(log)
+                log.clear()
+            finally:
+                dist.batch_isend_irecv = real
+            needs = _dense_needs(kwargs, world, layout, seqlen)
+            expected = Counter()
+            gradients = Counter()
+            for other in (r for r in range(world) if r != rank):
+                for t in key_side:
+                    if needs[other][rank]:
+                        expected["send", other, t.numel(), t.dtype] += 1
+                        gradients["receive", other, t.numel(), torch.float32] += 1
+                    if needs[rank][other]:
+                        expected["receive", other, t.numel(), t.dtype] += 1
+                        gradients["send", other, t.numel(), torch.float32] += 1
+            if forward != expected or backward != expected + gradients:
+                problems.append(f"rank {rank}, {layout} {mask}: forward {dict(forward)}, "
+                                f"expected {dict(expected)}; backward {dict(backward)}, "
+                                f"expected {dict(expected + gradients)}")
+            skipped += sum(not needs[r][s] for r in range(world) for s in range(world)
+                           if r != s)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, problems)
+    assert skipped > 0, "no pair of ranks skipped: the masks test nothing"
+    assert not any(everyone), "\n".join(p for found in everyone for p in found)
+
+
 # ---- bad calls: (id, expected exception, a regex of its message, the call) ----
 
 def bad_calls(shapes: Shapes, device) -> list[tuple]:
@@ -348,11 +452,17 @@ def run_explain(shapes: Shapes, device) -> dict[str, str]:
     q = torch.randn(1, rows, world * 2, 8, device=device)
     k = torch.randn(1, rows, world, 8, device=device)
     mqa = torch.randn(1, rows, 1, 8, device=device)
+    narrow = {"method": "ring", "causal": True, "window": (shapes.chunk // 2, -1)}
     return {"heads_split": str(cp.explain(q, k, k, causal=True)),
             "mqa": str(cp.explain(q, mqa, mqa, causal=True)),
             "mqa_topk": str(cp.explain(q, mqa, mqa, topk=4)),
             "ring_window": str(cp.explain(q, mqa, mqa, method="ring", window=(3, 0),
-                                          layout="contiguous"))}
+                                          layout="contiguous")),
+            "ring_narrow_zigzag": str(cp.explain(q, mqa, mqa, **narrow)),
+            "ring_narrow_contiguous": str(cp.explain(q, mqa, mqa, layout="contiguous",
+                                                     **narrow)),
+            "ring_causal_contiguous": str(cp.explain(q, mqa, mqa, method="ring", causal=True,
+                                                     layout="contiguous"))}
 
 
 def run_groups(shapes: Shapes, device, dtype, record) -> None:
@@ -454,6 +564,8 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     if only is None or "ring-backward_without_forward" in only:
         record("ring-backward_without_forward",
                lambda: run_backward_without_forward(shapes, device, dtype))
+    if only is None or "ring-messages" in only:
+        record("ring-messages", lambda: run_ring_messages(shapes, device, dtype))
     if only is None:
         run_groups(shapes, device, dtype, record)
         record("transformers", lambda: run_transformers(device))
@@ -462,6 +574,6 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     plans = run_explain(shapes, device)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"results": results, "plans": plans}, f)
+            json.dump({"world": world, "results": results, "plans": plans}, f)
     dist.barrier()
     dist.destroy_process_group()

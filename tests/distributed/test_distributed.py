@@ -11,8 +11,10 @@ import torch
 import torch.multiprocessing as mp
 
 from cp_workers import Case, Shapes, cases, worker
-from omniattn.distributed.layout import Chunk, chunks, to_global, to_shards
+import omniattn
+from omniattn.distributed.layout import Chunk, chunks, chunks_per_rank, to_global, to_shards
 from omniattn.distributed.pieces import cut, pieces
+from omniattn.distributed.visibility import layout_chunks, rank_work, visibility
 from omniattn.predicate import RelativePredicate
 
 # world size -> shapes: the heads split over P (ulysses); chunks of 16 (the block masks' blocks)
@@ -71,13 +73,40 @@ def test_bad_calls_fail_before_communication(gloo):
 def test_auto_choice_and_reasons(gloo):
     plans = gloo["plans"]
     assert plans["heads_split"].startswith("method: ulysses (auto: one single-device call")
-    assert plans["mqa"].startswith("method: ring (auto: K/V shards travel the ring")
+    assert plans["mqa"].startswith("method: ring (auto: K/V shards travel to the ranks whose "
+                                   "rows see them")
     assert "\n  not ulysses: it splits heads over the" in plans["mqa"]
     assert plans["mqa_topk"].startswith("method: allgather (auto:")
     assert "\n  not ring: top-k keeps each row's best keys" in plans["mqa_topk"]
     # contiguous causal window (3, 0): rank 0 needs no other rank's keys
     assert plans["ring_window"].startswith("method: ring (asked for:")
-    assert "step 1, K/V of rank" in plans["ring_window"] and "skipped" in plans["ring_window"]
+    assert "\n  step 1, K/V of rank" in plans["ring_window"]
+    assert ": none seen here, not received; own K/V sent to rank 1" in plans["ring_window"]
+
+
+def test_explain_balance_and_layout_advice(gloo):
+    """The cost model in explain: zigzag balances causal work and advises nothing; contiguous
+    causal is told zigzag balances it; a narrow causal window moves fewer shards contiguous
+    (each rank sees the rank before only), which zigzag is told."""
+    plans, world = gloo["plans"], gloo["world"]
+    causal_zigzag = plans["mqa"]
+    assert f"\nK/V shards moved: {world * (world - 1)} of {world * (world - 1)} " in causal_zigzag
+    assert "; busiest / mean 1.00\n" in causal_zigzag and "suits" not in causal_zigzag
+    assert "\nlayout='zigzag' suits these masks better: its busiest rank has" \
+        in plans["ring_causal_contiguous"]
+    contiguous = plans["ring_narrow_contiguous"]
+    assert f"\nK/V shards moved: {world - 1} of " in contiguous and "suits" not in contiguous
+    assert "\nlayout='contiguous' suits these masks better: its busiest rank has " \
+        in plans["ring_narrow_zigzag"]
+    assert f"K/V shards moved: {world - 1} (" in plans["ring_narrow_zigzag"]
+    if world > 2:  # contiguous: no rank sees the keys of the rank two behind
+        assert "\n  step 2: no rank sees keys of the rank 2 behind it, skipped" in contiguous
+
+
+def test_ring_moves_only_what_is_seen(gloo):
+    """Messages counted at batch_isend_irecv: exactly the shards (and gradients) of the pairs
+    of ranks whose rows see each other's keys (cp_workers.run_ring_messages)."""
+    assert gloo["results"]["ring-messages"] == "ok", gloo["results"]["ring-messages"]
 
 
 @pytest.mark.interpreter
@@ -163,3 +192,58 @@ def test_pieces_skip_hidden_and_join_unmasked():
     assert len(other) == 1 and other[0].rows == (16, 32) and other[0].keys == (0, 32)
     # per-row key lengths count keys by global position: nothing is joined
     assert len(pieces(rows, chunks("zigzag", 1, 2, seqlen), predicate, None, True)) == 2
+
+
+def _rank_totals(dense: torch.Tensor, owned, world: int) -> list[float]:
+    """The visible pairs of each rank's rows in a dense (S, S) picture (float: averaged)."""
+    return [sum(float(dense[c.start:c.stop].sum()) for owner, c in owned if owner == rank)
+            for rank in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_visibility_and_work_of_every_chunk_pair(world, layout):
+    """The chunk table says whether any (row, key) pair of two chunks is visible, as the dense
+    picture does (causal / window exactly; block masks of FULL blocks and window block masks
+    too, at their blocks); rank_work counts each rank's visible pairs exactly (block masks:
+    their listed blocks' area, averaged over heads)."""
+    length = 16
+    seqlen = length * world * chunks_per_rank(layout)
+    owned = layout_chunks(layout, world, seqlen)
+    positions = torch.arange(seqlen)
+
+    def chunk_pairs(dense):
+        return tuple(tuple(bool(dense[r.start:r.stop, c.start:c.stop].any()) for _, c in owned)
+                     for _, r in owned)
+
+    for causal, window in [(True, None), (True, (8, -1)), (False, (8, 8)), (False, (0, 20)),
+                           (False, None), (True, (40, 3))]:
+        predicate = RelativePredicate.make(causal, window)
+        dense = predicate.holds(positions[:, None], positions[None, :], seqlen, seqlen)
+        assert visibility(layout, world, seqlen, predicate, None).visible == chunk_pairs(dense)
+        assert list(rank_work(layout, world, seqlen, predicate, None)) == \
+            _rank_totals(dense, owned, world)
+    n = seqlen // length
+    blocks = torch.rand(1, 2, n, n, generator=torch.Generator().manual_seed(world)) < 0.3
+    masks = [(omniattn.block_mask_from_blocks(blocks, length), RelativePredicate.make(True)),
+             (omniattn.window_block_mask(seqlen, seqlen, (8, 0), causal=True,
+                                         block_size=length), RelativePredicate())]
+    for mask, predicate in masks:
+        dense = mask.visible(positions, seqlen, seqlen) & predicate.holds(
+            positions[:, None], positions[None, :], seqlen, seqlen)
+        table = visibility(layout, world, seqlen, predicate, mask)
+        assert table.visible == chunk_pairs(dense.any(0).any(0))
+        assert table is visibility(layout, world, seqlen, predicate, mask)  # cached per mask
+    listed = blocks.repeat_interleave(length, 2).repeat_interleave(length, 3)
+    assert list(rank_work(layout, world, seqlen, RelativePredicate(), masks[0][0])) == \
+        pytest.approx(_rank_totals(listed.float().mean((0, 1)), owned, world))
+
+
+def test_needs_and_row_lengths():
+    """Contiguous causal: each rank needs the ranks before it only; rows whose keys all lie in
+    the first chunk need rank 0 alone (zigzag: chunks 0 and 3 are rank 0's)."""
+    table = visibility("contiguous", 3, 48, RelativePredicate.make(True), None)
+    assert table.needs(3) == ((True, False, False), (True, True, False), (True, True, True))
+    zigzag = visibility("zigzag", 2, 64, RelativePredicate(), None)
+    assert zigzag.narrowed([16, 16, 16, 1]).needs(2) == ((True, False), (True, False))
+    assert zigzag.narrowed([0, 17, 0, 0]).needs(2) == ((False, False), (True, True))

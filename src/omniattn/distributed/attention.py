@@ -7,11 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from .allgather import allgather_attention
-from .layout import Chunk, chunks
+from .comm import all_gather
+from .layout import Chunk, chunks, chunks_per_rank
 from .pieces import Piece, pieces
 from .ring import RingSchedule, ring_attention
 from .ulysses import ulysses_attention
-from .validation import WHY, Call, check_call
+from .validation import WHY, Call, check_call, refusal
+from .visibility import Visibility, rank_work, visibility
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
@@ -31,9 +33,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
         layout: "zigzag" (rank r holds chunks r and 2P-1-r of 2P; balanced causal work) or
             "contiguous" (chunk r of P).
         method: "ulysses" (all-to-all to H/P heads of the whole sequence; needs H and Hk
-            multiples of P), "ring" (K/V passed around the ring, overlapped with compute;
-            pieces that see nothing skipped), "allgather" (K/V gathered; dK/dV
-            reduce-scattered) or "auto" (`explain` says which, and why).
+            multiples of P), "ring" (K/V shards sent to the ranks whose rows see them,
+            overlapped with compute; shards and pieces no row sees skipped), "allgather" (K/V
+            gathered; dK/dV reduce-scattered) or "auto" (`explain` says which, and why).
         causal, window, softmax_scale, softcap: as `omniattn.attention`, in global positions
             (bottom-right aligned over S x S).
         attn_bias: key-wise (B|1, Hm, 1, S/P), Hm in {1, Hk, H}: this rank's keys; it gets
@@ -61,8 +63,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                                        _allgather_pieces(call), call.group, call.layout,
                                        call.options)
     else:
-        schedule = RingSchedule(_ring_steps(call), call.group, call.world)
-        out, lse = ring_attention(q, k, v, attn_bias, call.row_lens, schedule, call.options)
+        table = _visibility(call)
+        if call.row_lens is not None:
+            table = table.narrowed(_reach(call))
+        out, lse = ring_attention(q, k, v, attn_bias, call.row_lens, _ring_schedule(call, table),
+                                  call.options)
     return (out, lse) if return_lse else out
 
 
@@ -76,19 +81,44 @@ def _allgather_pieces(call: Call) -> list[Piece]:
                   by_position=call.row_lens is not None)
 
 
-def _ring_steps(call: Call) -> list[list[Piece]]:
-    """The pieces of each ring step: step t holds the K/V of rank (rank - t) mod P."""
-    return [pieces(_rows(call), chunks(call.layout, (call.rank - step) % call.world,
-                                       call.world, call.seqlen),
-                   call.predicate, call.block_mask,
-                   by_position=call.row_lens is not None)
-            for step in range(call.world)]
+def _visibility(call: Call, layout: str | None = None) -> Visibility:
+    return visibility(layout or call.layout, call.world, call.seqlen, call.predicate,
+                      call.block_mask)
+
+
+def _reach(call: Call) -> list[int]:
+    """The largest key length of each chunk's rows (global chunk order), every rank's: one
+    all-gather of (chunks per rank,) int32 and one read of it."""
+    largest = torch.stack([call.row_lens[:, c.local:c.local + c.length].amax()
+                           for c in _rows(call)])
+    reach = [0] * (call.seqlen // _rows(call)[0].length)
+    gathered = torch.stack(all_gather(largest, call.group)).tolist()
+    for rank, found in enumerate(gathered):
+        for chunk, length in zip(chunks(call.layout, rank, call.world, call.seqlen), found):
+            reach[chunk.start // chunk.length] = length
+    return reach
+
+
+def _ring_schedule(call: Call, table: Visibility) -> RingSchedule:
+    """This rank's pieces at each ring step (step t holds the K/V of rank (rank - t) mod P),
+    none where the table says its rows see none of those keys."""
+    needs = table.needs(call.world)
+    steps = []
+    for step in range(call.world):
+        source = (call.rank - step) % call.world
+        steps.append(pieces(_rows(call), chunks(call.layout, source, call.world, call.seqlen),
+                            call.predicate, call.block_mask,
+                            by_position=call.row_lens is not None, sees=table.sees)
+                     if needs[call.rank][source] else [])
+    return RingSchedule(steps, needs, call.group, call.rank, call.world)
 
 
 @dataclass(frozen=True)
 class DistributedPlan:
     """What `omniattn.distributed.attention` runs on this rank: the method and why, the methods
-    refused and why, and this rank's work."""
+    refused and why, this rank's work, and (ring, allgather) the cost model: every rank's
+    visible (query, key) pairs, the K/V shards the ring moves as (from rank, to rank), and the
+    balance."""
 
     method: str
     reason: str
@@ -98,20 +128,26 @@ class DistributedPlan:
     layout: str
     rows: tuple[Chunk, ...]
     work: tuple[str, ...]
+    rank_work: tuple[float, ...] | None  # None for ulysses: every rank has 1/P of the heads
+    kv_moves: tuple[tuple[int, int], ...]
+    balance: tuple[str, ...]
 
     def __str__(self) -> str:
         rows = " and ".join(f"[{c.start}, {c.stop})" for c in self.rows)
         lines = [f"method: {self.method} ({self.reason})",
                  *(f"  not {m}: {why}" for m, why in self.refused),
                  f"rank {self.rank} of {self.world}, {self.layout} layout: rows {rows}"]
-        return "\n".join(lines + [f"  {line}" for line in self.work])
+        return "\n".join(lines + [f"  {line}" for line in self.work] + list(self.balance))
 
 
 def explain(q, k, v, **options) -> DistributedPlan:
     """What `attention(q, k, v, **options)` would run on this rank, without communicating or
-    computing: the method (auto's choice and why), the methods refused and why, and this
-    rank's local calls. `print(omniattn.distributed.explain(...))` reads it. Options are
-    `attention`'s keywords, validated as it validates them."""
+    computing: the method (auto's choice and why), the methods refused and why, this rank's
+    local calls and, for ring and allgather, each rank's work (visible pairs), the ring's
+    steps taken and skipped, and whether the other layout would suit the masks better.
+    `print(omniattn.distributed.explain(...))` reads it. Options are `attention`'s keywords,
+    validated as it validates them (per-row key lengths are this rank's: the shards they
+    spare others are known at run time only)."""
     import inspect
 
     known = [name for name, p in inspect.signature(attention).parameters.items()
@@ -128,12 +164,80 @@ def explain(q, k, v, **options) -> DistributedPlan:
         work = (f"one call over all {call.seqlen} positions with query heads "
                 f"[{call.rank * heads}, {(call.rank + 1) * heads}) and key/value heads "
                 f"[{call.rank * heads_k}, {(call.rank + 1) * heads_k})",)
-    elif call.method == "allgather":
-        work = tuple(p.describe() for p in _allgather_pieces(call))
+        return DistributedPlan(call.method, reason, call.refused, call.rank, call.world,
+                               call.layout, _rows(call), work, None, (), ())
+    ring = call.method == "ring"
+    moves = _kv_moves(call, call.layout) if ring else ()
+    if ring:
+        work = _ring_lines(call, _ring_schedule(call, _visibility(call)))
     else:
-        work = tuple(
-            f"step {step}, K/V of rank {(call.rank - step) % call.world}: "
-            + ("; ".join(p.describe() for p in step_pieces) or "nothing visible, skipped")
-            for step, step_pieces in enumerate(_ring_steps(call)))
+        work = tuple(p.describe() for p in _allgather_pieces(call))
+    found = _rank_work(call, call.layout)
     return DistributedPlan(call.method, reason, call.refused, call.rank, call.world,
-                           call.layout, _rows(call), work)
+                           call.layout, _rows(call), work, found, moves,
+                           _balance(call, q, k, found, moves))
+
+
+def _rank_work(call: Call, layout: str) -> tuple[float, ...]:
+    return rank_work(layout, call.world, call.seqlen, call.predicate, call.block_mask)
+
+
+def _kv_moves(call: Call, layout: str) -> tuple[tuple[int, int], ...]:
+    needs = _visibility(call, layout).needs(call.world)
+    return tuple((source, rank) for rank in range(call.world) for source in range(call.world)
+                 if source != rank and needs[rank][source])
+
+
+def _ring_lines(call: Call, schedule: RingSchedule) -> tuple[str, ...]:
+    moving = schedule.moving_steps()
+    lines = []
+    for step, step_pieces in enumerate(schedule.steps):
+        computed = "; ".join(p.describe() for p in step_pieces) or "nothing visible, skipped"
+        if step == 0:
+            lines.append(f"step 0, own K/V: {computed}")
+        elif step not in moving:
+            lines.append(f"step {step}: no rank sees keys of the rank {step} behind it, "
+                         f"skipped")
+        else:
+            source, target = (call.rank - step) % call.world, (call.rank + step) % call.world
+            got = computed if schedule.receives(step) else "none seen here, not received"
+            sent = "sent to" if schedule.sends(step) else "not seen by, not sent to"
+            lines.append(f"step {step}, K/V of rank {source}: {got}; own K/V {sent} rank "
+                         f"{target}")
+    return tuple(lines)
+
+
+def _balance(call: Call, q, k, found: tuple[float, ...],
+             moves: tuple[tuple[int, int], ...]) -> tuple[str, ...]:
+    """The cost model's lines: every rank's work and the spread, the shards the ring moves, and
+    the other layout where its busiest rank has less work (or, about as busy, the ring moves
+    fewer shards)."""
+    ring = call.method == "ring"
+    unit = "the (query, key) pairs of the listed blocks" if call.block_mask is not None \
+        else "the visible (query, key) pairs"
+    total = sum(found)
+    if not total:
+        return ("work per rank: none, every (query, key) pair is hidden",)
+    shares = ", ".join(f"{w / total:.3f}" for w in found)
+    lines = [f"work per rank (shares of {unit}): {shares}; busiest / mean "
+             f"{max(found) * len(found) / total:.2f}"]
+    if ring:
+        lines.append(f"K/V shards moved: {len(moves)} of {call.world * (call.world - 1)} "
+                     f"(the backward moves them again, and their gradients back)")
+    other = "contiguous" if call.layout == "zigzag" else "zigzag"
+    if q.shape[1] % chunks_per_rank(other) == 0 and refusal(
+            call.method, q, k, call.world, other, call.block_mask, None) is None:
+        other_found = _rank_work(call, other)
+        other_moves = _kv_moves(call, other) if ring else ()
+        busiest, other_busiest = max(found), max(other_found)
+        # within 1%, the busiest ranks take as long; then fewer transfers decide
+        if other_busiest < 0.99 * busiest or (other_busiest <= 1.01 * busiest
+                                              and len(other_moves) < len(moves)):
+            fewer = f"; K/V shards moved: {len(other_moves)} ({len(moves)} here)" if ring else ""
+            lines.append(f"layout={other!r} suits these masks better: its busiest rank has "
+                         f"{other_busiest / total:.3f} of the work ({busiest / total:.3f} "
+                         f"here){fewer}")
+    if ring and call.row_lens is not None:
+        lines.append("seqlens_k_per_row: the ranks share their rows' largest key lengths at "
+                     "run time (one all-gather), which may spare more shards")
+    return tuple(lines)

@@ -1,7 +1,9 @@
 """The collectives context parallelism uses, on one process group: all-gather and
 reduce-scatter of shards, the all-to-all between sequence and head shards (both differentiable
-where attention needs them), and the ring's non-blocking exchange with its neighbours."""
+where attention needs them), and the ring's non-blocking transfers between ranks a step apart."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -105,20 +107,36 @@ def heads_to_sequence(x, group, layout: str, seq_dim: int, head_dim: int) -> tor
 
 
 class RingExchange:
-    """Sends tensors to the next rank of the ring and receives the previous rank's, without
-    blocking: start() posts the transfers, wait() returns what arrived."""
+    """The ring's non-blocking transfers: at step t this rank sends to the rank t ahead and
+    receives from the rank t behind (every rank at step t does the same, so the pairs match),
+    either side left out where no row needs it. Transfers are posted in step order on every
+    rank, so those between two ranks meet in the same order on both."""
 
-    def __init__(self, group):
-        rank, world = group_info(group)
+    # groups whose communicator is known to exist: NCCL creates it at a group's first call,
+    # which every rank must join, and a step's transfers may leave ranks out
+    _started: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, group, device: torch.device):
         self.group = group
-        self.next = dist.get_global_rank(group, (rank + 1) % world)
-        self.previous = dist.get_global_rank(group, (rank - 1) % world)
+        self.rank, self.world = group_info(group)
+        if group not in RingExchange._started:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+            RingExchange._started.add(group)
 
-    def start(self, tensors: list[torch.Tensor]) -> "_Transfer":
-        sends = [t.contiguous() for t in tensors]
-        received = [torch.empty_like(t) for t in sends]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.previous, self.group) for t in received]
+    def start(self, step: int, send: list[torch.Tensor] | None,
+              receive: list[torch.Tensor] | None) -> "_Transfer | None":
+        """Posts `send` to the rank `step` ahead and the receipt of tensors shaped like
+        `receive` from the rank `step` behind (a negative step: the other way round); None if
+        neither."""
+        sends = [t.contiguous() for t in send] if send else []
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in receive] \
+            if receive else []
+        if not sends and not received:
+            return None
+        ahead = dist.get_global_rank(self.group, (self.rank + step) % self.world)
+        behind = dist.get_global_rank(self.group, (self.rank - step) % self.world)
+        ops = [dist.P2POp(dist.isend, t, ahead, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, behind, self.group) for t in received]
         return _Transfer(dist.batch_isend_irecv(ops), received, sends)
 
 

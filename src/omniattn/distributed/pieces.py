@@ -133,13 +133,16 @@ def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
 
 
 def pieces(row_chunks, key_chunks, predicate: RelativePredicate, block_mask: BlockMask | None,
-           by_position: bool) -> list[Piece]:
-    """This rank's pieces of its row chunks against the key chunks held. Unmasked pieces next
-    to each other in the shards become one call, unless by_position (per-row key lengths count
-    keys from a piece's first global key, so its keys must be consecutive there)."""
+           by_position: bool, sees=None) -> list[Piece]:
+    """This rank's pieces of its row chunks against the key chunks held, leaving out the pairs
+    for which sees(rows, keys) is False. Unmasked pieces next to each other in the shards
+    become one call, unless by_position (per-row key lengths count keys from a piece's first
+    global key, so its keys must be consecutive there)."""
     found = []
     for rows in row_chunks:
         for keys in key_chunks:
+            if sees is not None and not sees(rows, keys):
+                continue
             piece = masked_piece(rows, keys, predicate, block_mask) if block_mask is not None \
                 else cut(rows, keys, predicate)
             if piece is not None:

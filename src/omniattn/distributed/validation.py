@@ -19,8 +19,8 @@ METHODS = ("ulysses", "ring", "allgather")  # auto's order of preference
 WHY = {
     "ulysses": "one single-device call over the whole sequence with H/P heads, every mask "
                "unchanged; moves q, k, v and out once each (all-to-all)",
-    "ring": "K/V shards travel the ring while each hop is computed; K/V memory stays S/P per "
-            "rank",
+    "ring": "K/V shards travel to the ranks whose rows see them while each step is computed; "
+            "K/V memory stays S/P per rank",
     "allgather": "every rank gathers all of K/V (memory S per rank) and attends with its rows",
 }
 
