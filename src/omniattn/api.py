@@ -325,9 +325,10 @@ def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | Non
         # q, out and lse stay in the caller's order: the kernels read and write each row where
         # it is and tile the rows (and their lengths) in this order
         row_order, row_lens = length_order(row_lens, k.shape[1])
-    term = None
+    term, topk_inputs = None, (None, None)  # the op's top-k scores (as given) and pairs
     if form.topk_scores is not None:
         term = TopkTerm(form.topk_scores, _topk_pairs(topk, form, row_lens, packed))
+        topk_inputs = (attn_bias if topk_scores is None else topk_scores, term.pairs)
     schedule = None
     if lists is not None and q.numel() and k.numel():
         schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed,
@@ -335,12 +336,9 @@ def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | Non
     # without a recorded gradient the backward is never planned; the Triton backward, which
     # serves every call, stands in for it
     backward = plan.backward.kernel if plan.backward_needed else TRITON_BACKWARD
-    if term is not None and topk_scores is None:
-        topk_scores = attn_bias
     return kernel_inputs(q, k, v, args, (plan.forward.kernel, backward), schedule,
                          attn_mask, attn_bias, row_lens, packed, dropout, deterministic,
-                         row_order, topk_scores if term is not None else None,
-                         term.pairs if term is not None else None)
+                         row_order, *topk_inputs)
 
 
 def _topk_pairs(topk: int, form: CallForm, row_lens, packed) -> torch.Tensor:

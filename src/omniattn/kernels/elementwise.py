@@ -568,6 +568,18 @@ def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, bloc
     return states.unsqueeze(1)
 
 
+def _tile_extremes(values: torch.Tensor, length: int,
+                   block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest, highest) int32 of each block of `block` along the last dim of values
+    (..., length): (..., cdiv(length, block)), a last block's padding ignored."""
+    lowest, highest = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    count = cdiv(length, block)
+    pad = count * block - length
+    tiles = (*values.shape[:-1], count, block)
+    return (F.pad(values, (0, pad), value=highest).view(tiles).amin(-1),
+            F.pad(values, (0, pad), value=lowest).view(tiles).amax(-1))
+
+
 def topk_tile_states(term: TopkTerm, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
                      packed: PackedSequences | None = None) -> torch.Tensor:
     """int8 states of the top-k term at (block_m, block_n) tiles, (B, Hs, n_q_tiles|1, n_k_tiles):
@@ -580,24 +592,15 @@ def topk_tile_states(term: TopkTerm, seqlen_q: int, seqlen_k: int, block_m: int,
     scores, thresholds = term.scores, term.pairs[0]  # thresholds (B, Hs, Sq|1)
     if packed is not None or not scores.rows_shared or scores.cols_shared:
         return torch.full((1, 1, 1, 1), PARTIAL, dtype=torch.int8, device=thresholds.device)
-    lowest, highest = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
     keys = order_keys(scores.tensor[:, :, 0, :seqlen_k])  # (B|1, Hm, Sk)
     heads = thresholds.shape[1]
     if keys.shape[1] not in (1, heads):  # a pair head j selects by score head j // (Hs / Hm)
         keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
-    n_k = cdiv(seqlen_k, block_n)
-    pad_k = n_k * block_n - seqlen_k
-    tile_keys = (*keys.shape[:2], n_k, block_n)
-    key_lo = F.pad(keys, (0, pad_k), value=highest).view(tile_keys).amin(-1)[..., None, :]
-    key_hi = F.pad(keys, (0, pad_k), value=lowest).view(tile_keys).amax(-1)[..., None, :]
+    key_lo, key_hi = (t[..., None, :] for t in _tile_extremes(keys, seqlen_k, block_n))
     if thresholds.shape[-1] == 1:
         row_lo = row_hi = thresholds[..., None]  # (B, Hs, 1, 1)
     else:
-        n_q = cdiv(seqlen_q, block_m)
-        pad_q = n_q * block_m - seqlen_q
-        tile_rows = (*thresholds.shape[:2], n_q, block_m)
-        row_lo = F.pad(thresholds, (0, pad_q), value=highest).view(tile_rows).amin(-1)[..., None]
-        row_hi = F.pad(thresholds, (0, pad_q), value=lowest).view(tile_rows).amax(-1)[..., None]
+        row_lo, row_hi = (t[..., None] for t in _tile_extremes(thresholds, seqlen_q, block_m))
     # int8 from the start: torch.where on Python ints would make int64 maps (8x the memory)
     states = torch.full(torch.broadcast_shapes(key_hi.shape, row_lo.shape), PARTIAL,
                         dtype=torch.int8, device=keys.device)
