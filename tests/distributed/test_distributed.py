@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from cp_workers import Case, Shapes, cases, worker
 import omniattn
 from omniattn.distributed.layout import Chunk, chunks, chunks_per_rank, to_global, to_shards
-from omniattn.distributed.pieces import cut, pieces
+from omniattn.distributed.pieces import block_mask_part, cut, pieces
 from omniattn.distributed.visibility import layout_chunks, rank_work, visibility
 from omniattn.predicate import RelativePredicate
 
@@ -178,6 +178,50 @@ def test_cut_shows_exactly_the_global_predicate(causal, window):
             got[i0:i1, j0:j1] = own.visible(torch.arange(i1 - i0), i1 - i0, j1 - j0) \
                 if not own.unbounded else True
             assert torch.equal(got, expected), (rows, keys, piece)
+
+
+@pytest.mark.parametrize("mask_window,causal", [((27, 0), True), ((32, 0), True),
+                                                ((5, 19), False), ((-1, 3), False),
+                                                ((40, -1), True)])
+@pytest.mark.parametrize("call_window", [None, (21, -1), (-1, 6)])
+def test_window_mask_parts_keep_a_window_and_no_bitmaps(mask_window, causal, call_window):
+    """A window block mask cut at every (row chunk, key chunk) pair under the call's own
+    window: each part shows exactly the global mask AND the call's predicate on its rectangle,
+    nothing visible lies outside it, and its partial blocks apply a window of their own (no
+    element bitmaps, which would keep the Gluon kernels away)."""
+    seqlen, length, block = 128, 32, 16
+    mask = omniattn.window_block_mask(seqlen, seqlen, mask_window, causal=causal,
+                                      block_size=block)
+    predicate = RelativePredicate.make(False, call_window)
+    grid = [Chunk(s, 0, length) for s in range(0, seqlen, length)]
+    seen = 0
+    for rows in grid:
+        for keys in grid:
+            expected = mask.visible(torch.arange(rows.start, rows.stop), seqlen, seqlen)[
+                0, 0, :, keys.start:keys.stop] & _visible(rows, keys, predicate, seqlen)
+            part = block_mask_part(mask, (rows.start, rows.stop), (keys.start, keys.stop),
+                                   predicate)
+            if part is None:
+                assert not expected.any()
+                continue
+            seen += 1
+            assert part.element_bits is None
+            n_rows, n_keys = part.seq_lengths
+            got = torch.zeros_like(expected)
+            got[:n_rows, :n_keys] = part.visible(torch.arange(n_rows), n_rows, n_keys)[0, 0]
+            assert torch.equal(got, expected), (rows, keys, part)
+    assert seen > len(grid)
+
+
+def test_bitmap_masks_keep_bitmaps_in_parts():
+    """A document mask's partial blocks hold bitmaps; its parts carry them on."""
+    seqlen, length = 128, 32
+    bounds = torch.tensor([0, 21, 75, 128])
+    mask = omniattn.document_block_mask(bounds, 16, causal=True)
+    part = block_mask_part(mask, (32, 64), (0, 32), RelativePredicate.make(True))
+    assert part is not None and part.element_bits is not None
+    expected = mask.visible(torch.arange(32, 64), seqlen, seqlen)[0, 0, :, :length]
+    assert torch.equal(part.visible(torch.arange(32), 32, 32)[0, 0], expected)
 
 
 def test_pieces_skip_hidden_and_join_unmasked():

@@ -20,7 +20,7 @@ from ..api import attention as local_attention
 from ..api import attention_backward as local_backward
 from ..masks.block_mask import BlockMask
 from ..masks.evaluate import predicate_blocks
-from ..predicate import HIDDEN, RelativePredicate
+from ..predicate import FULL, HIDDEN, RelativePredicate
 from .layout import Chunk
 
 
@@ -127,8 +127,10 @@ def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
                            predicate)
     if part is None:
         return None
-    where = f"rows [{rows.start}, {rows.stop}) x keys [{keys.start}, {keys.stop})"
-    return Piece((rows.local, rows.local + rows.length), (keys.local, keys.local + keys.length),
+    n_rows, n_keys = part.seq_lengths
+    where = f"rows [{rows.start}, {rows.start + n_rows}) x keys [{keys.start}, " \
+        f"{keys.start + n_keys})"
+    return Piece((rows.local, rows.local + n_rows), (keys.local, keys.local + n_keys),
                  keys.start, block_mask=part, where=where)
 
 
@@ -181,9 +183,11 @@ _parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def block_mask_part(mask: BlockMask, rows: tuple[int, int], keys: tuple[int, int],
                     predicate: RelativePredicate) -> BlockMask | None:
     """The BlockMask of global rows [r0, r1) x keys [a, b) of `mask` ANDed with `predicate`
-    (global positions), its rectangle starting on the mask's block grid; None if all hidden.
-    Its blocks are the mask's; partial ones carry element bitmaps of what they show (no
-    predicate of their own)."""
+    (global positions), its rectangle starting at (r0, a) on the mask's block grid and ending
+    where the last row sees a key and the last key is seen (its seq_lengths); None if all
+    hidden. Its blocks are the mask's. Where the mask's PARTIAL blocks apply its predicate alone
+    (no bitmaps), the part keeps one window of its own; otherwise its partial blocks carry
+    element bitmaps of what they show, which no Gluon kernel reads."""
     cache = _parts.setdefault(mask, {})
     key = (rows, keys, predicate)
     if key not in cache:
@@ -191,7 +195,34 @@ def block_mask_part(mask: BlockMask, rows: tuple[int, int], keys: tuple[int, int
     return cache[key]
 
 
+def _window_part(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
+    """block_mask_part with the mask's and the call's predicates as one bottom-right aligned
+    window of the part: the ends are cut as `cut` cuts them (rows past the last key's reach,
+    keys past the last row's), which keeps both window bounds >= 0."""
+    combined = predicate & mask.predicate
+    (r0, r1), (a, b) = rows, keys
+    if combined.left >= 0:
+        r1 = min(r1, b + combined.left)
+    if combined.right >= 0:
+        b = min(b, r1 + combined.right)
+    if r0 >= r1 or a >= b:
+        return None
+    shift = b - r1
+    own = RelativePredicate(combined.left + shift if combined.left >= 0 else -1,
+                            combined.right - shift if combined.right >= 0 else -1)
+    block_q, block_k = mask.block_size
+    states = mask.states[..., r0 // block_q:-(-r1 // block_q), a // block_k:-(-b // block_k)]
+    states = torch.minimum(states, own.classify(r1 - r0, b - a, block_q, block_k,
+                                                device=states.device))
+    if not bool((states != HIDDEN).any()):
+        return None
+    return BlockMask.from_states(states, (block_q, block_k), (r1 - r0, b - a),
+                                 window=(own.left, own.right))
+
+
 def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
+    if mask.element_bits is None and not _full_blocks_cut(mask):
+        return _window_part(mask, rows, keys, predicate)
     (r0, r1), (a, b) = rows, keys
     block_q, block_k = mask.block_size
     seqlen_q, seqlen_k = mask.seq_lengths
@@ -216,6 +247,16 @@ def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
         return None
     return BlockMask.from_states(states, (block_q, block_k), (r1 - r0, b - a),
                                  element_bits=bits, element_slots=slots)
+
+
+def _full_blocks_cut(mask: BlockMask) -> bool:
+    """Whether a FULL block of the mask is one its own predicate would cut (a PARTIAL block of
+    a part, which applies the predicate, must not hide what the mask shows)."""
+    if mask.predicate.unbounded:
+        return False
+    own = mask.predicate.classify(*mask.seq_lengths, *mask.block_size,
+                                  device=mask.kv_indices.device)
+    return bool(((mask.states == FULL) & (own != FULL)).any())
 
 
 _head_parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
