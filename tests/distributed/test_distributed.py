@@ -137,7 +137,7 @@ def test_nccl_two_gpus_bf16(tmp_path):
              "ring-contiguous-narrow_window", "ring-zigzag-everything-odd_heads",
              "ulysses-zigzag-topk", "allgather-contiguous-topk", "ring-backward_without_forward"]
     outcome = _spawn(2, "nccl", "bfloat16", shapes, tmp_path, only=only)
-    assert sorted(outcome["results"]) == sorted(only), sorted(outcome["results"])
+    assert set(only) <= set(outcome["results"]), sorted(outcome["results"])
     failed = {name: r for name, r in outcome["results"].items() if r != "ok"}
     assert not failed, "\n".join(f"{name}: {r}" for name, r in failed.items())
 
