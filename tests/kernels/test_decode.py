@@ -272,6 +272,21 @@ def test_decode_topk_per_row_lengths():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("form", ["b11s", "bhqs"])
+def test_decode_topk_with_an_element_mask(form):
+    """The keys an element mask hides are not selected (a row keeps its K best among those it
+    may see); per-key scores, a key bias beside them."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 3, 90, 8, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 32, torch.float16, seed=31)
+    generator = torch.Generator().manual_seed(31)
+    shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
+    mask = (torch.rand(shape, generator=generator) < 0.5).to(DEVICE)
+    bias = torch.randn(batch, heads_k, 1, seqlen_k, generator=generator).to(DEVICE, q.dtype)
+    scores = scores_of("bk1s", batch, seqlen_q, seqlen_k, heads, heads_k, seed=31)
+    check_topk_decode(q, k, v, 6, scores, attn_mask=mask, attn_bias=bias, causal=True)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_decode_topk_pages(page_size):
     """Pages and partly used caches: each sequence selects among its first seqused_k keys
