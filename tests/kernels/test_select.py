@@ -244,8 +244,8 @@ PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "
 def test_kernels_compile_for_hopper():
     """The interpreter types less strictly than the compiler: each kernel (radix select with
     masks, lengths and a block mask with bitmaps; the wavelet build and queries; both selects
-    with seqused_k; the mask writer) compiles for sm_90a. (Untuned: the radix select with a block mask's bitmaps spills
-    20 bytes at 255 registers.)"""
+    with seqused_k; the mask writer) compiles for sm_90a. (Untuned: the radix select with a
+    block mask's bitmaps spills 20 bytes at 255 registers.)"""
     benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(benchmarks)], capture_output=True,
