@@ -39,7 +39,7 @@ from omniattn.backends.gluon_sm90 import forward as fwd_hopper
 from omniattn.backends.triton import configs
 from omniattn.backends.triton import decode
 from omniattn.backends.triton import forward as fwd
-from omniattn.kernels.elementwise import Elementwise
+from omniattn.kernels.elementwise import Elementwise, TopkTerm
 from omniattn.kernels.schedule import KernelArgs, TileLists
 from omniattn.kernels.sequences import PackedSequences, PagedKeys
 from omniattn.passes import attention_backward, attention_forward, decode_forward
@@ -194,10 +194,14 @@ def _gluon_call(kernel: str, q: torch.Tensor, k: torch.Tensor, args: KernelArgs,
 
 
 def _decode_call(q: torch.Tensor, k: torch.Tensor, args: KernelArgs, query_rows: int,
-                 page_size: int | None, mask: bool, bias_form: str | None) -> None:
+                 page_size: int | None, mask: bool, bias_form: str | None,
+                 topk_form: str | None = None) -> None:
     """Split-KV decoding's launcher on CPU tensors: `query_rows` rows per sequence over k's
     keys, from pages of `page_size` keys if given; a key mask (B, 1, 1, Sk) with `mask`, a key
-    bias (B, Hk, 1, Sk) with bias_form "key"; an H100's 132 SMs choose the split."""
+    bias (B, Hk, 1, Sk) with bias_form "key"; a top-k term over per-key scores (B, Hk, 1, Sk)
+    with topk_form "key" (one score row per tile), (B, H, 1, Sk) with "head" (a row per query
+    head), its rows' threshold pairs made up (the code does not depend on their values); an
+    H100's 132 SMs choose the split."""
     batch, seqlen, heads_k, head_dim = k.shape
     decode.sm_count = lambda device: 132
     if bias_form not in (None, "key"):
@@ -213,7 +217,13 @@ def _decode_call(q: torch.Tensor, k: torch.Tensor, args: KernelArgs, query_rows:
         paged = PagedKeys(table, torch.full((batch,), seqlen, dtype=torch.int32), page_size,
                           seqlen)
         k = k.reshape(-1, page_size, heads_k, head_dim)
-    decode_forward(q[:, :query_rows], k, k, args, mask=masks, bias=bias, paged=paged)
+    topk = None
+    if topk_form is not None:
+        score_heads = heads_k if topk_form == "key" else heads
+        scores = torch.randn(batch, score_heads, 1, seqlen, dtype=q.dtype)
+        topk = TopkTerm(Elementwise.of(scores, heads),
+                        torch.zeros(2, batch, score_heads, query_rows, dtype=torch.int32))
+    decode_forward(q[:, :query_rows], k, k, args, mask=masks, bias=bias, paged=paged, topk=topk)
 
 
 def main() -> None:
@@ -240,6 +250,8 @@ def main() -> None:
     parser.add_argument("--query-rows", type=int, default=1,
                         help="decode: query rows per sequence (--seqlen: its cached keys)")
     parser.add_argument("--page-size", type=int, help="decode: keys from pages of this size")
+    parser.add_argument("--topk", choices=("key", "head"),
+                        help="decode: a top-k term over scores (B, Hk, 1, Sk) or (B, H, 1, Sk)")
     parser.add_argument("--cubin", metavar="PATH", help="write the cubin (cuobjdump -sass it)")
     opts = parser.parse_args()
     if opts.bwd_tiles:
@@ -268,7 +280,8 @@ def main() -> None:
             attention_backward(q, q, k, v, q, lse, args, mask=mask, bias=bias,
                                bias_grad=bias is not None)
         elif opts.kernel == "decode":
-            _decode_call(q, k, args, opts.query_rows, opts.page_size, opts.mask, opts.bias)
+            _decode_call(q, k, args, opts.query_rows, opts.page_size, opts.mask, opts.bias,
+                         opts.topk)
         else:
             _gluon_call(opts.kernel, q, k, args, opts.mask, opts.bias, opts.lists,
                         opts.row_lengths, opts.packed)

@@ -290,8 +290,9 @@ def _attention(q, k, v, causal, window, softmax_scale, softcap, attn_mask, attn_
                                 attn_mask, attn_bias, row_lens, topk_scores)
         return (out, lse) if return_lse else out
     if plan.forward.kernel == DECODE_FORWARD:
+        _, topk_inputs = _topk_inputs(topk, topk_scores, attn_bias, form, row_lens, packed)
         out, lse = decode_attention(decode_inputs(q, k, v, form.args, attn_mask, attn_bias,
-                                                  row_lens, paged))
+                                                  row_lens, paged, *topk_inputs))
         return (out, lse) if return_lse else out
     if form is None:
         out, lse = attention_reference(q, k, v, causal=causal, window=window,
@@ -325,10 +326,7 @@ def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | Non
         # q, out and lse stay in the caller's order: the kernels read and write each row where
         # it is and tile the rows (and their lengths) in this order
         row_order, row_lens = length_order(row_lens, k.shape[1])
-    term, topk_inputs = None, (None, None)  # the op's top-k scores (as given) and pairs
-    if form.topk_scores is not None:
-        term = TopkTerm(form.topk_scores, _topk_pairs(topk, form, row_lens, packed))
-        topk_inputs = (attn_bias if topk_scores is None else topk_scores, term.pairs)
+    term, topk_inputs = _topk_inputs(topk, topk_scores, attn_bias, form, row_lens, packed)
     schedule = None
     if lists is not None and q.numel() and k.numel():
         schedule, args = build_schedule(form, lists, attn_mask, backward=plan.backward_needed,
@@ -341,15 +339,30 @@ def _kernel_call(q, k, v, plan: CallPlan, form: CallForm, lists: ListTiles | Non
                          row_order, *topk_inputs)
 
 
+def _topk_inputs(topk: int | None, topk_scores: torch.Tensor | None,
+                 attn_bias: torch.Tensor | None, form: CallForm, row_lens,
+                 packed) -> tuple[TopkTerm | None, tuple]:
+    """The call's top-k term and the op's top-k inputs (its scores as given, or attn_bias, and
+    the rows' threshold pairs); (None, (None, None)) without one."""
+    if form.topk_scores is None:
+        return None, (None, None)
+    term = TopkTerm(form.topk_scores, _topk_pairs(topk, form, row_lens, packed))
+    return term, (attn_bias if topk_scores is None else topk_scores, term.pairs)
+
+
 def _topk_pairs(topk: int, form: CallForm, row_lens, packed) -> torch.Tensor:
     """int32 (2, B, Hs, Sq|1) (packed: (2, 1, Hs, total_q)): the rows' threshold pairs of
-    kernels/select.py, thresholds then last ties (TopkTerm.pairs)."""
-    q, k = form.q, form.k
+    kernels/select.py, thresholds then last ties (TopkTerm.pairs). Paged or partly used keys:
+    each sequence selects among its used keys (seqused_k), of those it can hold."""
+    q, k, paged = form.q, form.k, form.paged
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
+    if paged is not None:
+        seqlen_k = paged.seqlen_k
     pairs = row_thresholds(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
                            q.shape[-2], k.shape[-2], mask=form.mask, block_mask=form.block_mask,
                            row_lens=row_lens, packed=packed,
-                           total_q=q.shape[0] if packed is not None else None)
+                           total_q=q.shape[0] if packed is not None else None,
+                           seqused_k=paged.seqused_k if paged is not None else None)
     return torch.stack((pairs.threshold, pairs.last_tie))
 
 

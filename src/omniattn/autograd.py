@@ -327,8 +327,8 @@ def triton_attention(call: ForwardCall):
 
 class DecodeCall(NamedTuple):
     """The decode op's arguments, in its schema's order: pages or spare keys as their block
-    table (page_size: k's second dim when given) and seqused_k; seqlen_k: the keys a sequence
-    holds."""
+    table (page_size: k's second dim when given) and seqused_k; top-k as its scores and the
+    rows' threshold pairs (TopkTerm); seqlen_k: the keys a sequence holds."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -338,6 +338,8 @@ class DecodeCall(NamedTuple):
     attn_mask: torch.Tensor | None
     attn_bias: torch.Tensor | None
     row_lens: torch.Tensor | None
+    topk_scores: torch.Tensor | None
+    topk_pairs: torch.Tensor | None
     seqlen_k: int
     softmax_scale: float
     softcap: float
@@ -348,7 +350,8 @@ class DecodeCall(NamedTuple):
 def _decode_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
     seqused_k: torch.Tensor | None, attn_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None, seqlen_k: int,
+    attn_bias: torch.Tensor | None, row_lens: torch.Tensor | None,
+    topk_scores: torch.Tensor | None, topk_pairs: torch.Tensor | None, seqlen_k: int,
     softmax_scale: float, softcap: float, window_left: int, window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of a `DecodeCall`."""
@@ -358,10 +361,13 @@ def _decode_impl(
     if block_table is not None or seqused_k is not None:
         page_size = k.shape[1] if block_table is not None else 0
         paged = PagedKeys(block_table, seqused_k, page_size, seqlen_k)
+    topk = None
+    if topk_pairs is not None:
+        topk = TopkTerm(Elementwise.of(topk_scores, heads), topk_pairs)
     return decode_forward(
         q, k, v, args, mask=Elementwise.of(attn_mask, heads) if attn_mask is not None else None,
         bias=Elementwise.of(attn_bias, heads) if attn_bias is not None else None,
-        row_lens=row_lens, paged=paged)
+        row_lens=row_lens, paged=paged, topk=topk)
 
 
 attention_decode_op = torch.library.custom_op("omniattn::attention_decode", _decode_impl,
@@ -369,20 +375,22 @@ attention_decode_op = torch.library.custom_op("omniattn::attention_decode", _dec
 
 
 @attention_decode_op.register_fake
-def _(q, k, v, block_table, seqused_k, attn_mask, attn_bias, row_lens, seqlen_k, softmax_scale,
-      softcap, window_left, window_right):
+def _(q, k, v, block_table, seqused_k, attn_mask, attn_bias, row_lens, topk_scores, topk_pairs,
+      seqlen_k, softmax_scale, softcap, window_left, window_right):
     return torch.empty_like(q), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
 def decode_inputs(q, k, v, args: KernelArgs, attn_mask: torch.Tensor | None = None,
                   attn_bias: torch.Tensor | None = None, row_lens: torch.Tensor | None = None,
-                  paged: PagedKeys | None = None) -> DecodeCall:
+                  paged: PagedKeys | None = None, topk_scores: torch.Tensor | None = None,
+                  topk_pairs: torch.Tensor | None = None) -> DecodeCall:
     """The decode op's call: q (B, Sq, H, D), k/v (B, Sk, Hk, D) or pages with `paged`; row_lens
-    normalised (B, Sq)."""
+    normalised (B, Sq); top-k's scores and threshold pairs as the forward op takes them."""
     table, used = (paged.block_table, paged.seqused_k) if paged is not None else (None, None)
     seqlen_k = paged.seqlen_k if paged is not None else k.shape[1]
-    return DecodeCall(q, k, v, table, used, attn_mask, attn_bias, row_lens, seqlen_k,
-                      args.softmax_scale, args.softcap, args.window_left, args.window_right)
+    return DecodeCall(q, k, v, table, used, attn_mask, attn_bias, row_lens, topk_scores,
+                      topk_pairs, seqlen_k, args.softmax_scale, args.softcap, args.window_left,
+                      args.window_right)
 
 
 def decode_attention(call: DecodeCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -259,12 +259,14 @@ def attention_backward(dout, q, k, v, out, lse, args: KernelArgs, schedule: Sche
 def decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: KernelArgs,
                    mask: Elementwise | None = None, bias: Elementwise | None = None,
                    row_lens: torch.Tensor | None = None, paged: PagedKeys | None = None,
-                   num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_splits: int = 0,
+                   topk: TopkTerm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decoding's forward (DECODE_FORWARD): q (B, Sq, H, D); k/v (B, Sk, Hk, D), or
     pages (num_pages, page_size, Hk, D) with `paged` -> out like q, lse (B, H, Sq) float32;
-    the rest as backends/triton/decode.py's triton_decode takes it."""
+    the rest as backends/triton/decode.py's triton_decode takes it (topk: the rows' threshold
+    pairs over each sequence's used keys, and their scores)."""
     out = torch.empty_like(q)
     lse = torch.empty(lse_shape(q), device=q.device, dtype=torch.float32)
     if out.numel():
-        triton_decode(q, k, v, args, out, lse, mask, bias, row_lens, paged, num_splits)
+        triton_decode(q, k, v, args, out, lse, mask, bias, row_lens, paged, num_splits, topk)
     return out, lse

@@ -7,8 +7,8 @@ Candidates, fastest first: split-KV decoding (`fwd_decode`) for a forward with a
 rows per sequence and no gradient; on Hopper the warp-specialised Gluon kernels (`fwd_hopper`,
 `bwd_hopper`, `bwd_hopper_wide` at head dims it splits), else the Triton kernels (`fwd`, `bwd`);
 CPU tensors take the exact PyTorch `reference` unless TRITON_INTERPRET=1 runs the Triton kernels;
-top-k calls run the Triton kernels (rows' threshold pairs from kernels/select.py), or the
-reference while torch.compile traces them. Paged or partly used
+top-k calls run the Triton kernels, split-KV decoding included (rows' threshold pairs from
+kernels/select.py), or the reference while torch.compile traces them. Paged or partly used
 keys (`block_table`, `seqused_k`) that split-KV does not take run `per_sequence`: each
 sequence's keys gathered (or sliced) and attended as a contiguous call.
 """
@@ -376,8 +376,6 @@ def decode_refusal(form: CallForm, backward_needed: bool) -> str | None:
         return "a block mask (its lists are per query tile; split-KV walks each sequence's keys)"
     if form.dropout:
         return "dropout"
-    if form.topk_scores is not None:
-        return "top-k (split-KV decoding does not read row thresholds yet)"
     return None
 
 
@@ -391,9 +389,11 @@ def _decode_pass(form: CallForm) -> PassPlan:
         if paged is not None and paged.page_size else "a contiguous cache"
     used = ", the first seqused_k of each sequence" if paged is not None \
         and paged.seqused_k is not None else ""
+    topk = "; top-k: each packed row keeps the keys of its own threshold pair" \
+        if form.topk_scores is not None else ""
     return PassPlan(DECODE_FORWARD, f"split-KV: each (batch, KV head)'s keys split over "
                     f"programs, partial outputs merged by their LSE; {group} query heads x "
-                    f"{seqlen_q} rows packed per tile; K/V from {source}{used}",
+                    f"{seqlen_q} rows packed per tile; K/V from {source}{used}{topk}",
                     (cfg.block_m, cfg.block_n))
 
 

@@ -215,11 +215,16 @@ def test_packed_attention_topk_matches_each_sequence():
 
 
 def test_explain_names_the_kernels_that_read_thresholds(monkeypatch):
-    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    # a gradient: not split-KV decoding, which the 8 query rows would take without one
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
     bias = torch.randn(1, 2, 1, 8)
     monkeypatch.setattr(omniattn.api, "uses_kernels", lambda q: True)  # as on a GPU
     plan = omniattn.explain(q, k, v, attn_bias=bias, topk=4)
     assert (plan.forward.kernel, plan.backward.kernel) == ("fwd", "bwd")
+    decode = omniattn.explain(q.detach(), k, v, attn_bias=bias, topk=4)
+    assert decode.forward.kernel == "fwd_decode" and decode.forward.refused == ()
+    assert "top-k: each packed row keeps the keys of its own threshold pair" in str(decode)
     assert "explicit lists (top-k tile states)" in str(plan)
     assert "not bwd_hopper: top-k: the Gluon backward does not read the rows' threshold " \
         "pairs yet" in str(plan)

@@ -1,7 +1,7 @@
 """Split-KV decoding (backends/triton/decode.py) against the float64 reference: output and lse
 of calls with a few query rows and no gradient, which `attention` plans as `fwd_decode`, over
 contiguous caches and pages, with causal / window / per-row lengths / element masks / biases /
-softcap, odd cache lengths, GQA ratios, rows that see no key and NaN inputs.
+softcap / top-k, odd cache lengths, GQA ratios, rows that see no key and NaN inputs.
 
 Without a GPU these run under TRITON_INTERPRET=1 (fp16 / fp32: the interpreter computes bf16
 wrongly) at 16 x 16 tiles and 3 splits, so tiny caches cross several splits and the combine;
@@ -10,14 +10,16 @@ deterministic mode): an element the kernels fail to write fails the test.
 """
 from __future__ import annotations
 
-from helpers import DEVICE, GPU, assert_close, case_id
+from helpers import DEVICE, GPU, assert_close, brute_force_topk, case_id, visible_keys
 import pytest
 import torch
 
 import omniattn
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.passes import decode_forward
-from omniattn.reference import paged_reference
+from omniattn.predicate import EVERY_TIE
+from omniattn.reference import attention_reference, paged_reference, topk_thresholds
+from test_mask_bias import elementwise_shape
 from test_mask_bias import nan_poisoned_memory  # noqa: F401 (autouse fixture)
 
 
@@ -179,6 +181,130 @@ def test_decode_split_counts_agree(splits):
     torch.testing.assert_close(lse.double(), exact[1].double(), atol=1e-5, rtol=1e-5)
 
 
+TOPK_IN_PLAN = "top-k: each packed row keeps the keys of its own threshold pair"
+
+
+def scores_of(form, batch, seqlen_q, seqlen_k, heads, heads_k, seed, dtype=torch.float32,
+              ties=True):
+    """Top-k scores of `form` (elementwise_shape's letters): integer-valued in [-3, 3] (every
+    value tied many times) with `ties`, else normal."""
+    shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, shape, generator=generator).float() if ties \
+        else torch.randn(shape, generator=generator)
+    return scores.to(DEVICE, dtype)
+
+
+def check_topk_decode(q, k, v, topk, scores, **options):
+    """check_decode of attention(q, k, v, topk=topk, topk_scores=scores, **options), which the
+    plan gives split-KV decoding with its top-k term."""
+    plan = omniattn.explain(q, k, v, topk=topk, topk_scores=scores, **options)
+    assert plan.forward.kernel == "fwd_decode" and TOPK_IN_PLAN in plan.forward.schedule
+    return check_decode(q, k, v, topk=topk, topk_scores=scores, **options)
+
+
+# (B, Sq, Sk, H, Hk, D, dtype, topk, scores form ("bias": none given, attn_bias (B, Hk, 1, Sk)
+# selects), options): per-key scores per KV head (one row per tile), per query head, shared by
+# every head; per-row scores; K = 1; K at least every row's visible keys (30-key window) but
+# below Sk; GQA 4:1 and 1:1; odd cache lengths, 1000 keys
+TOPK_CASES = [
+    (2, 1, 301, 8, 2, 32, torch.float16, 17, "bk1s", dict()),
+    (2, 3, 301, 8, 2, 32, torch.float32, 9, "bh1s", dict(causal=True)),
+    (1, 3, 257, 4, 1, 16, torch.float16, 1, "111s", dict(window=(100, 0))),
+    (2, 3, 99, 8, 2, 32, torch.float16, 40, "bias", dict(causal=True, window=(30, -1))),
+    (2, 1, 150, 8, 2, 32, torch.float32, 12, "bias", dict(softcap=5.0)),
+    (2, 3, 150, 8, 2, 32, torch.float32, 5, "bhqs", dict(causal=True)),
+    (2, 3, 121, 4, 4, 32, torch.float16, 7, "b1qs", dict(window=(50, 2))),
+    (1, 1, 1003, 8, 2, 64, torch.float16, 64, "bk1s", dict(causal=True)),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", TOPK_CASES, ids=case_id)
+def test_decode_topk(case):
+    batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, topk, form, options = case
+    seed = TOPK_CASES.index(case)
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, seed=seed)
+    if form == "bias":
+        bias = scores_of("bk1s", batch, seqlen_q, seqlen_k, heads, heads_k, seed, dtype)
+        check_topk_decode(q, k, v, topk, None, attn_bias=bias, **options)
+    else:
+        scores = scores_of(form, batch, seqlen_q, seqlen_k, heads, heads_k, seed)
+        check_topk_decode(q, k, v, topk, scores, **options)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_topk_ties_go_to_the_lower_key(dtype):
+    """Integer-valued per-key scores with ties cut at every row's threshold: the output is
+    attention over exactly the brute-force selection (ties to the lower key index), per query
+    head (scores (B, H, 1, Sk), GQA 4:1), with causal rows."""
+    batch, seqlen_q, seqlen_k, heads, heads_k, topk = 2, 3, 77, 8, 2, 10
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 32, dtype, seed=21)
+    generator = torch.Generator().manual_seed(21)
+    scores = torch.randint(-2, 3, (batch, heads, 1, seqlen_k), generator=generator).float()
+    scores = scores.to(DEVICE)
+    pairs = topk_thresholds(q, k, topk, scores, causal=True)
+    assert (pairs.last_tie != EVERY_TIE).all()  # every row cuts a tie: the rule decides
+    plan = omniattn.explain(q, k, v, causal=True, topk=topk, topk_scores=scores)
+    assert plan.forward.kernel == "fwd_decode"
+    out, lse = omniattn.attention(q, k, v, causal=True, topk=topk, topk_scores=scores,
+                                  return_lse=True)
+    visible = visible_keys(batch, heads, seqlen_q, seqlen_k, causal=True).cpu()
+    keep = brute_force_topk(scores.cpu(), visible, topk).to(DEVICE)
+    exact = attention_reference(q.double(), k.double(), v.double(), attn_mask=keep,
+                                causal=True, return_lse=True)
+    plain = attention_reference(q, k, v, attn_mask=keep, causal=True, return_lse=True,
+                                upcast=False)
+    assert_close("out", out, exact[0], plain[0], dtype)
+    assert_close("lse", lse, exact[1], plain[1], dtype)
+
+
+@pytest.mark.interpreter
+def test_decode_topk_per_row_lengths():
+    """Per-row key lengths narrow what each row selects among; a row seeing no key keeps none:
+    output 0, lse -inf."""
+    q, k, v = qkv(2, 3, 47, 8, 2, 32, torch.float16, seed=3)
+    lens = torch.tensor([[0, 20, 47], [5, 33, 1]], dtype=torch.int32, device=DEVICE)
+    scores = scores_of("bk1s", 2, 3, 47, 8, 2, seed=3)
+    out, lse = check_topk_decode(q, k, v, 4, scores, seqlens_k_per_row=lens, causal=True)
+    assert (out[0, 0] == 0).all() and (lse[0, :, 0] == -float("inf")).all()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("form", ["b11s", "bhqs"])
+def test_decode_topk_with_an_element_mask(form):
+    """The keys an element mask hides are not selected (a row keeps its K best among those it
+    may see); per-key scores, a key bias beside them."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 3, 90, 8, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 32, torch.float16, seed=31)
+    generator = torch.Generator().manual_seed(31)
+    shape = elementwise_shape(form, batch, heads, heads_k, seqlen_q, seqlen_k)
+    mask = (torch.rand(shape, generator=generator) < 0.5).to(DEVICE)
+    bias = torch.randn(batch, heads_k, 1, seqlen_k, generator=generator).to(DEVICE, q.dtype)
+    scores = scores_of("bk1s", batch, seqlen_q, seqlen_k, heads, heads_k, seed=31)
+    check_topk_decode(q, k, v, 6, scores, attn_mask=mask, attn_bias=bias, causal=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_topk_pages(page_size):
+    """Pages and partly used caches: each sequence selects among its first seqused_k keys
+    (causal / window aligned to them), its scores cut to them; one sequence uses fewer keys
+    than it keeps."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = 3, 3, 300, 8, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 32, torch.float16, seed=page_size)
+    k_pages, v_pages, table = paged_cache(k, v, page_size, seed=page_size)
+    used = torch.tensor([300, 8, 161], dtype=torch.int32, device=DEVICE)
+    capacity = table.shape[1] * page_size
+    scores = scores_of("bk1s", batch, seqlen_q, capacity, heads, heads_k, seed=page_size)
+    check_topk_decode(q, k_pages, v_pages, 10, scores, block_table=table, seqused_k=used,
+                      causal=True)
+    # spare keys of a contiguous cache, per-row scores per query head (the radix select)
+    scores = scores_of("bhqs", batch, seqlen_q, seqlen_k, heads, heads_k, seed=page_size)
+    check_topk_decode(q, k, v, 10, scores, seqused_k=used, window=(60, 0))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("page_size", [16, 64, 256])
@@ -192,6 +318,24 @@ def test_decode_pages_gpu(page_size):
                        generator=generator).to(DEVICE, torch.bfloat16)
     check_decode(q, k_pages, v_pages, block_table=table, seqused_k=used, attn_bias=bias,
                  causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("form", ["bk1s", "bh1s"])
+def test_decode_topk_pages_gpu(form):
+    """Issue #55's case at decoding sizes: top-k over per-key scores of paged, partly used
+    caches (bf16, GQA 4:1, one and four query rows, causal), several splits per sequence."""
+    batch, seqlen_k, heads, heads_k = 4, 20000, 32, 8
+    for seqlen_q in (1, 4):
+        q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16,
+                      seed=seqlen_q)
+        k_pages, v_pages, table = paged_cache(k, v, 256, seed=seqlen_q)
+        used = torch.tensor([20000, 1, 9999, 4096], dtype=torch.int32, device=DEVICE)
+        scores = scores_of(form, batch, seqlen_q, table.shape[1] * 256, heads, heads_k,
+                           seed=seqlen_q, dtype=torch.bfloat16, ties=False)
+        check_topk_decode(q, k_pages, v_pages, 2048, scores, block_table=table, seqused_k=used,
+                          causal=True)
 
 
 @pytest.mark.interpreter

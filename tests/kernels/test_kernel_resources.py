@@ -144,12 +144,14 @@ def test_gluon_backward_takes_p_and_ds_from_registers(tmp_path, flags):
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
-def test_decode_kernels_compile_without_spills():
-    """Split-KV decoding over pages with a key bias and a causal window (GQA 16/4, 8k keys): the
+@pytest.mark.parametrize("topk", [[], ["--topk", "head"]], ids=["plain", "topk"])
+def test_decode_kernels_compile_without_spills(topk):
+    """Split-KV decoding over pages with a key bias and a causal window (GQA 16/4, 8k keys),
+    and with a top-k term over scores per query head (each packed row its own score row): the
     split kernel and the combine compile for sm_90a, with no spills, the K / V tiles
     double-buffered (the paged configs' extra stages)."""
     out = _run_tool("--kernel", "decode", "--heads-k", "4", "--seqlen", "8192", "--page-size",
-                    "256", "--bias", "key", "--causal", "--window", "1000,-1")
+                    "256", "--bias", "key", "--causal", "--window", "1000,-1", *topk)
     reports = [dict(re.findall(r"(\w+)=(\w+)", line)) for line in out.splitlines()]
     assert [r["kernel"] for r in reports] == ["decode_split_kernel", "decode_combine_kernel"]
     for report in reports:

@@ -158,6 +158,28 @@ def test_packed_sequences(per_key):
     assert_same_pairs(got, expected)
 
 
+@pytest.mark.parametrize("window", [None, (6, 1)], ids=["causal", "window"])
+@pytest.mark.parametrize("per_key", [True, False], ids=["ranges", "radix"])
+def test_used_keys_of_each_sequence(per_key, window):
+    """seqused_k (split-KV decoding's partly used caches): sequence b selects among its first
+    seqused_k[b] keys, causal / window aligned to them: each sequence's pairs are the
+    reference's of that sequence alone (all its keys, fewer than topk, none)."""
+    batch, seqlen_q, seqlen_k, heads, heads_k, topk = 4, 5, 40, 4, 2, 4
+    used = torch.tensor([40, 3, 23, 0], dtype=torch.int32, device=DEVICE)
+    shape = (batch, heads_k, 1, seqlen_k) if per_key else (batch, heads, seqlen_q, seqlen_k)
+    scores = scores_with_ties(shape, 70)
+    got = row_thresholds(topk, Elementwise.of(scores, heads),
+                         KernelArgs.make(8, window is None, window, None, 0.0), batch, seqlen_q,
+                         seqlen_k, heads, heads_k, seqused_k=used)
+    for b, n in enumerate(used.tolist()):
+        q = torch.empty(1, seqlen_q, heads, 8, device=DEVICE)
+        k = torch.empty(1, n, heads_k, 8, device=DEVICE)
+        expected = topk_thresholds(q, k, topk, scores[b:b + 1, ..., :n], causal=window is None,
+                                   window=window)
+        part = type(got)(got.threshold[b:b + 1], got.last_tie[b:b + 1])
+        assert_same_pairs(part, expected)
+
+
 def test_keep_mask_is_the_keep_predicate():
     """The mask kernel keeps exactly what predicate.topk_keep keeps of the visible keys."""
     batch, seqlen_q, seqlen_k, heads = 2, 13, 29, 2
@@ -207,6 +229,9 @@ with launches_compiled(names, reports):
     key = Elementwise.of(torch.randn(b, h, 1, s, dtype=torch.bfloat16), h)
     row_thresholds(64, key, causal, b, s, s, h, h, block_mask=blocks)
     row_thresholds(64, key, causal, b, s, s, h, h)
+    used = torch.full((b,), s - 3, dtype=torch.int32)
+    row_thresholds(64, key, causal, b, s, s, h, h, seqused_k=used)
+    row_thresholds(64, full, causal, b, s, s, h, h, seqused_k=used)
     pairs = RowThresholds(*(torch.zeros(b, h, s, dtype=torch.int32) for _ in range(2)))
     keep_mask(pairs, key, causal, b, s, s, h, mask)
 for r in reports:
@@ -218,9 +243,9 @@ PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build has no bundled ptxas")
 def test_kernels_compile_for_hopper():
     """The interpreter types less strictly than the compiler: each kernel (radix select with
-    masks, lengths and a block mask with bitmaps; the wavelet build and queries; the mask
-    writer) compiles for sm_90a. (Untuned: the radix select with a block mask's bitmaps spills
-    20 bytes at 255 registers.)"""
+    masks, lengths and a block mask with bitmaps; the wavelet build and queries; both selects
+    with seqused_k; the mask writer) compiles for sm_90a. (Untuned: the radix select with a
+    block mask's bitmaps spills 20 bytes at 255 registers.)"""
     benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(benchmarks)], capture_output=True,

@@ -126,6 +126,15 @@ def sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k, VARLEN: t
 
 
 @triton.jit
+def used_keys(SeqUsed, off_b, seqlen_k, HAS_SEQUSED: tl.constexpr):
+    """The keys batch off_b uses: seqused_k[b] clamped to [0, seqlen_k] (a count past the cache
+    cannot read past it), or seqlen_k without seqused_k."""
+    if HAS_SEQUSED:
+        seqlen_k = tl.minimum(tl.maximum(tl.load(SeqUsed + off_b), 0), seqlen_k)
+    return seqlen_k
+
+
+@triton.jit
 def load_pair_tile(base, offs_a, offs_b, stride_a, stride_b, n_a, n_b,
                    A_SHARED: tl.constexpr, B_SHARED: tl.constexpr,
                    EVEN_A: tl.constexpr, EVEN_B: tl.constexpr):

@@ -26,7 +26,7 @@ from ..predicate import EVERY_TIE, FULL, KEEP_ALL, PARTIAL, RowThresholds, selec
 from ..runtime.launch import launch
 from ..runtime.switches import interpreting
 from .common import (implicit_kv_range, load_pair_tile, sequence_bounds, signed_order_keys,
-                     visible_elements)
+                     used_keys, visible_elements)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs
 from .select_ranges import range_thresholds
@@ -111,21 +111,24 @@ def _radix_select_kernel(
     States, stride_bb, stride_bh, stride_bq, stride_bk, block_div,
     Slots, stride_lb, stride_lh, stride_lq, stride_lk, Bits,
     block_q, block_k, block_left, block_right,
-    RowLens, stride_rb, CuSeqlensQ, CuSeqlensK, Threshold, LastTie, stride_tb, stride_th,
-    topk, seqlen_q, seqlen_k, heads_out, window_left, window_right,
+    RowLens, stride_rb, CuSeqlensQ, CuSeqlensK, SeqUsed, Threshold, LastTie, stride_tb,
+    stride_th, topk, seqlen_q, seqlen_k, heads_out, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RADIX: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BLOCK_MASK: tl.constexpr, HAS_BITS: tl.constexpr, HAS_ROW_LENS: tl.constexpr,
-    VARLEN: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr, SCORES_COLS_SHARED: tl.constexpr,
-    MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr,
+    SCORES_COLS_SHARED: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr,
+    MASK_COLS_SHARED: tl.constexpr,
 ):
     """Threshold pairs of BLOCK_M rows of one (batch, output head): program (row tile,
     batch x heads_out). Input heads: output head h reads head h // *_div. seqlen_q: the rows
-    (1 where no row differs); packed: the longest sequence's, each sequence's from cu_seqlens."""
+    (1 where no row differs); packed: the longest sequence's, each sequence's from cu_seqlens.
+    HAS_SEQUSED: batch b uses its first SeqUsed[b] keys (causal / window align to them)."""
     off_b = tl.program_id(1) // heads_out
     off_h = tl.program_id(1) % heads_out
     first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
                                                      seqlen_k, VARLEN)
+    seqlen_k = used_keys(SeqUsed, off_b, seqlen_k, HAS_SEQUSED)
     diag_offset = seqlen_k - seqlen_q
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -219,15 +222,18 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
                    seqlen_k: int, num_heads: int, num_heads_k: int,
                    mask: Elementwise | None = None, block_mask=None,
                    row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                   total_q: int | None = None) -> RowThresholds:
+                   total_q: int | None = None,
+                   seqused_k: torch.Tensor | None = None) -> RowThresholds:
     """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter).
 
     scores / mask: (B|1, Hm, Sq|1, Sk|1) as the attention kernels read them (packed: the
     (1, Hm, total_q|1, max_k|1) view); args: the causal / window bounds; block_mask: an
     omniattn.BlockMask, read through its dense block states, predicate and bitmaps;
     row_lens: int32 (B, Sq) (packed: (total_q,)); packed: (Sq, Sk) are then the longest and
-    total_q the packed rows. Returns int32 (B, Hs, Sq|1) (packed: (1, Hs, total_q)), Hs the
-    selection's heads."""
+    total_q the packed rows; seqused_k: int32 (B,), not packed: sequence b selects among its
+    first seqused_k[b] keys, causal / window aligned to them (split-KV decoding's paged or
+    partly used caches; Sk is then what a sequence can hold). Returns int32 (B, Hs, Sq|1)
+    (packed: (1, Hs, total_q)), Hs the selection's heads."""
     device = scores.tensor.device
     head_counts = [scores.tensor.shape[1]] + ([mask.tensor.shape[1]] if mask is not None else [])
     if block_mask is not None:
@@ -244,7 +250,7 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
             and (rows_differ or packed is not None):
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
-                         threshold, last_tie)
+                         threshold, last_tie, seqused_k)
         return RowThresholds(threshold, last_tie)
     block_m, block_n, radix = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS) \
         if interpreting() else (RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS)
@@ -270,12 +276,14 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
            *scores.operands()[:-1], _head_div(heads, scores.tensor),
            *(mask.operands()[:-1] if mask is not None else unused[:-1]),
            _head_div(heads, mask.tensor if mask is not None else None),
-           *block_operands, *row_operands, *packed_operands(packed, device), threshold, last_tie,
+           *block_operands, *row_operands, *packed_operands(packed, device),
+           seqused_k if seqused_k is not None else placeholder(device), threshold, last_tie,
            *out_strides, topk, num_rows, seqlen_k, heads, args.window_left, args.window_right,
            BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix, HAS_LEFT=args.has_left,
            HAS_RIGHT=args.has_right, HAS_MASK=mask is not None,
            HAS_BLOCK_MASK=block_mask is not None, HAS_BITS=bits is not None,
            HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
+           HAS_SEQUSED=seqused_k is not None,
            SCORES_ROWS_SHARED=scores.rows_shared, SCORES_COLS_SHARED=scores.cols_shared,
            MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
            MASK_COLS_SHARED=mask is not None and mask.cols_shared,

@@ -18,7 +18,7 @@ import triton.language as tl
 from ..predicate import EVERY_TIE, KEEP_ALL, order_keys
 from ..runtime.launch import launch
 from ..runtime.switches import interpreting
-from .common import sequence_bounds
+from .common import sequence_bounds, used_keys
 from .elementwise import Elementwise
 from .schedule import KernelArgs
 from .sequences import PackedSequences, packed_operands, placeholder
@@ -68,21 +68,23 @@ def _rank_levels_kernel(Work, Zeros, seqlen_k, num_levels, BLOCK: tl.constexpr):
 
 @triton.jit
 def _range_select_kernel(
-    Keys, Perm, Valid, Zeros, RowLens, stride_rb, CuSeqlensQ, CuSeqlensK,
+    Keys, Perm, Valid, Zeros, RowLens, stride_rb, CuSeqlensQ, CuSeqlensK, SeqUsed,
     Threshold, LastTie, stride_tb, stride_th,
     topk, seqlen_q, seqlen_k, array_k, heads_out, array_batched, window_left, window_right,
     num_levels, top_bit, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_ROW_LENS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
 ):
     """Threshold pairs of BLOCK_M rows of one (batch, head), program (row tile, batch x
     heads_out). Per array (batch if array_batched, head), Sk = array_k: Keys int32 order keys
     (KEEP_ALL where the mask hides the key), Perm int32 the key of each rank, Valid int32
     (Sk + 1,) counts of the keys the mask lets through before each, Zeros the wavelet matrix
-    (_rank_levels_kernel)."""
+    (_rank_levels_kernel). HAS_SEQUSED: batch b uses its first SeqUsed[b] keys (causal /
+    window align to them)."""
     off_b = tl.program_id(1) // heads_out
     off_h = tl.program_id(1) % heads_out
     first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
                                                      seqlen_k, VARLEN)
+    seqlen_k = used_keys(SeqUsed, off_b, seqlen_k, HAS_SEQUSED)
     diag_offset = seqlen_k - seqlen_q
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     inside = rows < seqlen_q
@@ -142,9 +144,10 @@ def _key_arrays(t: torch.Tensor, heads: int) -> torch.Tensor:
 def range_thresholds(topk: int, scores: Elementwise, mask: Elementwise | None, args: KernelArgs,
                      batch: int, seqlen_q: int, seqlen_k: int, row_lens: torch.Tensor | None,
                      packed: PackedSequences | None, threshold: torch.Tensor,
-                     last_tie: torch.Tensor) -> None:
+                     last_tie: torch.Tensor, seqused_k: torch.Tensor | None = None) -> None:
     """select.row_thresholds for per-key scores and mask (one row for every query), into
-    threshold / last_tie (B, heads, Sq) (packed: (1, heads, total_q)); topk < Sk."""
+    threshold / last_tie (B, heads, Sq) (packed: (1, heads, total_q)); topk < Sk; seqused_k
+    as row_thresholds takes it."""
     heads = threshold.shape[1]
     device = threshold.device
     keys = order_keys(_key_arrays(scores.tensor, heads))
@@ -172,9 +175,11 @@ def range_thresholds(topk: int, scores: Elementwise, mask: Elementwise | None, a
         (row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0)
     num_batches = packed.batch if packed is not None else batch
     launch(_range_select_kernel, (cdiv(seqlen_q, block_m), num_batches * heads),
-           keys, perm, valid_before, zeros, *row_operands, *packed_operands(packed, device), threshold, last_tie,
+           keys, perm, valid_before, zeros, *row_operands, *packed_operands(packed, device),
+           seqused_k if seqused_k is not None else placeholder(device), threshold, last_tie,
            0 if packed is not None else threshold.stride(0), threshold.stride(1),
            topk, seqlen_q, seqlen_k, array_k, heads, int(keys.shape[0] > 1), args.window_left,
            args.window_right, num_levels, 1 << (num_levels - 1), BLOCK_M=block_m,
            HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, HAS_ROW_LENS=row_lens is not None,
-           VARLEN=packed is not None, num_warps=1 if interpreting() else 4)
+           VARLEN=packed is not None, HAS_SEQUSED=seqused_k is not None,
+           num_warps=1 if interpreting() else 4)

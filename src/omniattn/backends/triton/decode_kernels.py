@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.common import LOG2E, scores_log2, visible_elements
+from ...kernels.common import (LOG2E, row_pairs, scores_log2, topk_keep, used_keys,
+                               visible_elements)
 
 
 @triton.jit
@@ -24,6 +25,18 @@ def _key_rows(BlockTable, table_row, keys, in_keys, off_b, stride_batch_or_page,
         page = tl.load(BlockTable + table_row + keys // PAGE_SIZE, mask=in_keys, other=0)
         return page.to(tl.int64) * stride_batch_or_page + (keys % PAGE_SIZE).to(tl.int64) * stride_n
     return off_b.to(tl.int64) * stride_batch_or_page + keys.to(tl.int64) * stride_n
+
+
+@triton.jit
+def _keywise_rows(T, stride_b, stride_h, stride_m, head_div, off_b, first_head, heads, offs_m):
+    """Pointers at key 0 of a (B|1, Hm, Sq|1, Sk|1) mask, bias or top-k scores for a tile of
+    packed rows: (the row of batch off_b, head first_head // head_div and query row 0, the one
+    `_keywise_tile` reads for the whole tile when every packed row reads it; [BM] each packed
+    row's own, of its query head `heads` // head_div and query row offs_m)."""
+    batch = T + off_b.to(tl.int64) * stride_b
+    base = batch + (first_head // head_div).to(tl.int64) * stride_h
+    rows = batch + (heads // head_div).to(tl.int64) * stride_h + offs_m.to(tl.int64) * stride_m
+    return base, rows
 
 
 @triton.jit
@@ -43,10 +56,11 @@ def _keywise_tile(base, rows_base, keys, stride_n, in_rows, in_keys, other,
 @triton.jit
 def decode_split_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, BlockTable, SeqUsed, RowLens, Mask, Bias,
+    TopkScores, TopkPairs,
     q_strides, k_strides, v_strides, o_strides, lse_strides, part_strides, table_stride,
-    row_lens_stride, mask_strides, bias_strides, shape, window, scores,
+    row_lens_stride, mask_strides, bias_strides, topk_layout, shape, window, scores,
     FORM: tl.constexpr, MASK_FORM: tl.constexpr, BIAS_FORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOPK_FORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: packed rows [tile_m * BM, +BM) of (batch, KV head) over its split's share of
@@ -56,10 +70,16 @@ def decode_split_kernel(
     output and its lse (log2 units, -inf where it saw no key) into OutPart (S, B, Hk, R, D) /
     LsePart (S, B, Hk, R) for decode_combine_kernel. Grouped arguments: *_strides of q / k / v /
     out (batch or page, row, head), lse (batch, head), part (out: split, batch, head, row; lse:
-    split, batch, head), mask / bias (batch, head, row, key, head divisor); shape (Sq, Sk
-    capacity, Hk, group, splits); window (left, right); scores (`scores_log2`'s terms). FORM:
-    (causal-or-window right bound, left bound, softcap, seqused_k, per-row lengths, split);
-    MASK_FORM / BIAS_FORM: (given, one row for the whole tile)."""
+    split, batch, head), mask / bias (batch, head, row, key, head divisor); topk_layout
+    (TopkTerm.operands' strides: the top-k scores' as a bias's, then the threshold pairs'
+    (pair, batch, head, row) strides and head divisor); shape (Sq, Sk capacity, Hk, group,
+    splits); window (left, right); scores (`scores_log2`'s terms). FORM: (causal-or-window
+    right bound, left bound, softcap, seqused_k, per-row lengths, split); MASK_FORM /
+    BIAS_FORM / TOPK_FORM: (given, one row for the whole tile; top-k: of its scores).
+
+    Top-k: each packed row keeps the keys its own (batch, query head, query row) threshold pair
+    selects (`topk_keep`), among those it sees; the pairs are computed over every key of the
+    sequence, so each split applies them to its share alone."""
     stride_qb, stride_qm, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
     stride_vb, stride_vn, stride_vh = v_strides
@@ -68,6 +88,8 @@ def decode_split_kernel(
     stride_ps, stride_pb, stride_ph, stride_pr, stride_pls, stride_plb, stride_plh = part_strides
     stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_strides
     stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_strides
+    (stride_tsb, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     stride_tp, stride_tpb, stride_tph, stride_tpm, pair_head_div) = topk_layout
     seqlen_q, seqlen_k, num_heads_k, group, num_splits = shape
     window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
@@ -82,6 +104,8 @@ def decode_split_kernel(
     MASK_ROW_SHARED: tl.constexpr = MASK_FORM[1]
     HAS_BIAS: tl.constexpr = BIAS_FORM[0]
     BIAS_ROW_SHARED: tl.constexpr = BIAS_FORM[1]
+    HAS_TOPK: tl.constexpr = TOPK_FORM[0]
+    TOPK_ROW_SHARED: tl.constexpr = TOPK_FORM[1]
 
     off_bh = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -97,8 +121,7 @@ def decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < HEAD_DIM
 
-    if HAS_SEQUSED:  # clamped: a count past the cache cannot read past it
-        seqlen_k = tl.minimum(tl.maximum(tl.load(SeqUsed + off_b), 0), seqlen_k)
+    seqlen_k = used_keys(SeqUsed, off_b, seqlen_k, HAS_SEQUSED)
     diag_offset = seqlen_k - seqlen_q
     key_end = tl.zeros([BLOCK_M], tl.int32) + seqlen_k
     if HAS_ROW_LENS:
@@ -129,14 +152,19 @@ def decode_split_kernel(
     k_head = K + off_hk.to(tl.int64) * stride_kh + offs_d[None, :]
     v_head = V + off_hk.to(tl.int64) * stride_vh + offs_d[None, :]
     table_row = off_b.to(tl.int64) * table_stride
-    mask_base = Mask + off_b.to(tl.int64) * stride_mb \
-        + ((off_hk * group) // mask_head_div).to(tl.int64) * stride_mh
-    mask_rows = Mask + off_b.to(tl.int64) * stride_mb \
-        + (heads // mask_head_div).to(tl.int64) * stride_mh + offs_m.to(tl.int64) * stride_mm
-    bias_base = Bias + off_b.to(tl.int64) * stride_bb \
-        + ((off_hk * group) // bias_head_div).to(tl.int64) * stride_bh
-    bias_rows = Bias + off_b.to(tl.int64) * stride_bb \
-        + (heads // bias_head_div).to(tl.int64) * stride_bh + offs_m.to(tl.int64) * stride_bm
+    mask_base, mask_rows = _keywise_rows(Mask, stride_mb, stride_mh, stride_mm, mask_head_div,
+                                         off_b, off_hk * group, heads, offs_m)
+    bias_base, bias_rows = _keywise_rows(Bias, stride_bb, stride_bh, stride_bm, bias_head_div,
+                                         off_b, off_hk * group, heads, offs_m)
+    score_base, score_rows = _keywise_rows(TopkScores, stride_tsb, stride_tsh, stride_tsm,
+                                           score_head_div, off_b, off_hk * group, heads, offs_m)
+    threshold = tl.zeros([BLOCK_M], tl.int32)
+    last_tie = threshold
+    if HAS_TOPK:  # each packed row's own pair: its batch, query head and query row
+        threshold, last_tie = row_pairs(
+            TopkPairs + off_b.to(tl.int64) * stride_tpb
+            + (heads // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m, seqlen_q,
+            stride_tpm)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -160,6 +188,10 @@ def decode_split_kernel(
             keep = _keywise_tile(mask_base, mask_rows, keys, stride_mn, in_rows, in_keys, 0,
                                  MASK_ROW_SHARED)
             visible = visible & (keep != 0)
+        if HAS_TOPK:
+            top_scores = _keywise_tile(score_base, score_rows, keys, stride_tsn, in_rows,
+                                       in_keys, 0.0, TOPK_ROW_SHARED)
+            visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing visible yet keeps m = -inf; subtract 0 there: no inf - inf
