@@ -50,7 +50,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     row_order (int32 (B, Sq), row i of a batch in that order is its row row_order[b, i]) q, out
     and lse stay in the caller's order while row_lens and the tiles follow the sorted one.
     dropout: (p, seed) of the Philox stream. topk: the rows' top-k threshold pairs and their
-    scores, applied in PARTIAL tiles.
+    scores, applied in PARTIAL tiles (the Triton kernels read them).
     `out` / `lse` may be given (preallocated, any strides with a contiguous last dim).
     kernel: the plan's (plan.py): GLUON_FORWARD runs the Gluon forward, which the plan gives only
     calls it takes; TRITON_FORWARD the Triton one."""
@@ -65,8 +65,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: K
     if kernel == GLUON_FORWARD and not tma_compatible(q, k, v):
         kernel = TRITON_FORWARD  # a plan made while tracing could not see the bases' alignment
     if kernel == GLUON_FORWARD:
-        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed,
-                       topk)
+        hopper_forward(q, k, v, args, out, lse, schedule, mask, bias, row_lens, row_order, packed)
     else:
         triton_forward(q, k, v, args, out, lse, schedule, bits, mask, bias, row_lens, packed,
                        dropout, row_order, topk)

@@ -43,7 +43,7 @@ _LEFT_WINDOW_MASK = "an element mask with a left window bound keeps the Triton f
     "tiles (0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
 
 
-_TOPK = "top-k: the Gluon backward does not read the rows' threshold pairs yet"
+_TOPK = "top-k: the Triton kernels read the rows' threshold pairs, the Gluon ones not yet"
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,8 @@ def _sparse(form: CallForm) -> bool:
 
 def _gluon_lists_refusal(form: CallForm) -> str | None:
     """Why the forward lists are not built at the Gluon forward's tiles (None where they are)."""
+    if form.topk_scores is not None:
+        return _TOPK
     if form.row_lens is not None:
         return "per-row key lengths with other masks (their lists at the Triton forward's tiles)"
     if form.packed is not None:
@@ -267,9 +269,9 @@ def _triton_tiles(form: CallForm, lists: ListTiles | None, backward: bool) -> tu
     return cfg.block_m, cfg.block_n
 
 
-def _call_refusal(form: CallForm, backward: bool = False) -> str | None:
-    """What no Gluon kernel of either pass (backward: of the backward) takes, or None."""
-    if backward and form.topk_scores is not None:
+def _call_refusal(form: CallForm) -> str | None:
+    """What no Gluon kernel of either pass takes, or None."""
+    if form.topk_scores is not None:
         return _TOPK
     if form.bits:
         return "a block mask with element bitmaps"
@@ -307,7 +309,7 @@ def _gluon_forward_tiles(form: CallForm) -> tuple[int, int] | None:
 
 
 def _gluon_backward_refusal(form: CallForm, lists: ListTiles | None) -> str | None:
-    refusal = _call_refusal(form, backward=True)
+    refusal = _call_refusal(form)
     if refusal is not None:
         return refusal
     if form.deterministic:

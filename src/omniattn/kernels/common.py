@@ -57,12 +57,7 @@ def topk_keep(scores, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
     """The top-k term of the predicate (predicate.RowThresholds): [BM, BN] True where the row's
     threshold pair keeps the key ([BN, BM] when TRANSPOSED). scores: the tile's top-k scores,
     broadcastable to it; keys [BN]: key indices; threshold / last_tie [BM]: the rows' pairs."""
-    return order_keep(signed_order_keys(scores), keys, threshold, last_tie, TRANSPOSED)
-
-
-@triton.jit
-def order_keep(order, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
-    """topk_keep from the scores' order keys (`signed_order_keys`)."""
+    order = signed_order_keys(scores)
     if TRANSPOSED:
         above = order > threshold[None, :]
         tie_kept = (order == threshold[None, :]) & (keys[:, None] <= last_tie[None, :])

@@ -22,9 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from ...kernels.common import (clip_ranges, implicit_kv_range, load_pair_tile, order_keep,
-                               row_pairs, schedule_rows, signed_order_keys)
-from ...kernels.elementwise import Elementwise, TopkTerm
+from ...kernels.common import clip_ranges, implicit_kv_range, load_pair_tile, schedule_rows
+from ...kernels.elementwise import Elementwise
 from ...kernels.schedule import KernelArgs, TileLists
 from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
                                   row_lens_operands, row_strides, tma_compatible)
@@ -159,24 +158,19 @@ def _drop_past_key_end(z, rows, start_n, row_ends, diag_offset, window_left, win
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full, diag_offset, window_left,
-                  window_right, qk_scale_log2, keep, bias, topk, KEYS: gl.constexpr,
-                  MASK: gl.constexpr, HAS_BIAS: gl.constexpr, TOPK: gl.constexpr,
-                  TOPK_FORM: gl.constexpr, FOLDS: gl.constexpr, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, EVEN_M: gl.constexpr,
-                  EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  s_layout: gl.constexpr):
+                  window_right, qk_scale_log2, keep, bias, KEYS: gl.constexpr,
+                  MASK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, EXPLICIT: gl.constexpr, BLOCK_N: gl.constexpr):
     """Online-softmax update for the scores s [BM, BN] of the key tile at start_n -> (p, m, l,
     alpha). KEYS: drop keys past each row's end (row_ends: Sk, or the per-row key lengths) and
     outside each row's window (explicit schedules without a left bound: only in tiles that
     reach past key_full, the first row's key end; with one, in
     every PARTIAL tile, as the left edges cut tiles anywhere before it);
-    MASK: drop the keys whose `keep` is 0; TOPK: those the rows' threshold pairs drop
-    (`_topk_select`);
-    bias: added to the scores (HAS_BIAS). A tile with
+    MASK: drop the keys whose `keep` is 0; bias: added to the scores (HAS_BIAS). A tile with
     none of these is seen whole by every row: its row max is finite and needs no -inf guard.
     Each term is its own select (a predicate each): ANDing them first kept the booleans in
     registers."""
-    if KEYS or MASK or HAS_BIAS or TOPK:
+    if KEYS or MASK or HAS_BIAS:
         if HAS_BIAS:
             # natural units, one FMA per element; log2(e) goes into the exp2's FMA
             z = s * (qk_scale_log2 * LN2) + bias.to(gl.float32)
@@ -186,9 +180,6 @@ def _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full, diag_offset, w
             unit = qk_scale_log2
         if MASK:
             z = gl.where(keep != 0, z, float("-inf"))
-        if TOPK:
-            z = _topk_select(z, topk, start_n, s_layout, TOPK_FORM, FOLDS, EVEN_M, EVEN_N,
-                             BLOCK_M, BLOCK_N)
         if KEYS:
             if EXPLICIT and not HAS_LEFT:
                 if start_n + BLOCK_N > key_full:
@@ -229,61 +220,6 @@ def _elementwise_tiles(start_n, mask_view, bias_view, rows_left, cols_left, layo
 
 
 @gluon.jit
-def _topk_term(topk_view, start_n, bias, rows_left, cols_left, layout: gl.constexpr,
-               TOPK_FORM: gl.constexpr, FOLDS: gl.constexpr, HAS_BIAS: gl.constexpr,
-               SCORES_ARE_BIAS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(bias, topk) of the key tile at start_n, before the matmuls' waits. FOLDS (per-key
-    scores, a bias of one row or none): -inf goes into the bias at the keys below every row's
-    threshold, and topk carries whether a key lies between the rows' lowest and highest
-    thresholds (`mixed`: only then are the elements tested, the scores read again; the
-    thresholds of neighbouring rows are close, so few tiles are mixed). Otherwise topk carries
-    the scores' order keys. A [BM, BN] keep, or order keys, held across the waits spilled;
-    SCORES_ARE_BIAS: the scores are the bias tile loaded (no second load's addresses).
-    topk_view: this consumer's scores at row 0, key 0, their row and column strides, its rows'
-    [BM] thresholds and last ties, and their lowest and highest threshold."""
-    score_rows, stride_tm, stride_tn, threshold, last_tie, lowest, highest = topk_view
-    score_view = (score_rows, stride_tm, stride_tn)
-    if SCORES_ARE_BIAS:
-        scores = bias
-    else:
-        scores = _load_elementwise(score_view, start_n, rows_left, cols_left, layout, TOPK_FORM,
-                                   EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
-    orders = signed_order_keys(scores)
-    if FOLDS:
-        between = ((orders >= lowest) & (orders <= highest)).to(gl.int32)  # [1, BN]
-        found = gl.max(gl.max(between, 1), 0) != 0
-        if HAS_BIAS:
-            bias = gl.where(orders < lowest, float("-inf"), bias.to(gl.float32))
-        else:
-            bias = gl.where(orders < lowest, float("-inf"), 0.0)
-    else:
-        found = orders
-    return bias, (found, score_view, threshold, last_tie, rows_left, cols_left)
-
-
-@gluon.jit
-def _topk_select(z, topk, start_n, layout: gl.constexpr, TOPK_FORM: gl.constexpr,
-                 FOLDS: gl.constexpr,
-                 EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """z [BM, BN] with -inf where the rows' threshold pairs drop the key (`_topk_term`'s topk;
-    FOLDS: only a mixed tile's elements are tested)."""
-    found, score_view, threshold, last_tie, rows_left, cols_left = topk
-    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    if FOLDS:
-        if found:
-            orders = signed_order_keys(_load_elementwise(
-                score_view, start_n, rows_left, cols_left, layout, TOPK_FORM, EVEN_M,
-                EVEN_N, BLOCK_M, BLOCK_N))
-            z = gl.where(order_keep(orders, keys, threshold, last_tie, False), z,
-                         float("-inf"))
-    else:
-        z = gl.where(order_keep(found, keys, threshold, last_tie, False), z, float("-inf"))
-    return z
-
-
-@gluon.jit
 def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr):
     """Steps [first, end), loaded for other consumers only: each released once its K and V
     are there. Waiting for K too keeps this consumer's later waits on k_ready in phase: they
@@ -300,8 +236,7 @@ def _release_steps(first, end, k_ready, v_ready, kv_free, NUM_BUF: gl.constexpr)
 @gluon.jit
 def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-            MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, TOPK_FORM: gl.constexpr,
-            SCORES_ARE_BIAS: gl.constexpr, EVEN_M: gl.constexpr,
+            MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, EVEN_M: gl.constexpr,
             EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr,
             CONSUMERS: gl.constexpr):
@@ -318,18 +253,14 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
     batch's sorted lengths and caller rows): keys [0, the last row's length) are seen whole, none
     past the first row's; the consumer gathers its q rows from q_rows and scatters out to o_rows
     (each at row 0 of the (batch, head)). PACKED: a tile cut by the sequence's end stores its rows
-    inside it to o_rows (TMA would write the next sequence's rows too). TOPK_FORM (`ElementForm`
-    of the top-k scores): the PARTIAL steps drop what the rows' threshold pairs (pair_rows: the
-    (batch, head)'s at row 0) do not keep, reading the scores from score_rows (SCORES_ARE_BIAS:
-    taking the bias tile's, a key bias loaded by the consumer). lse_rows_base: the
+    inside it to o_rows (TMA would write the next sequence's rows too). lse_rows_base: the
     (batch, head)'s lse at row 0; q_start: the batch's first row of the flat (FLAT) view. common:
     the program's values and buffers, as the kernel packs them (one tuple for every consumer)."""
     (o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, lse_rows_base, q_start,
      off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
      qk_scale_log2, first_tile, num_tiles_cta, num_part, part_list, full_list, mask_rows,
      stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem, bias_smem, next_tiles,
-     q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows, score_rows, stride_tm,
-     stride_tn, pair_rows, stride_tp, stride_tpm) = common
+     q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows) = common
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -340,20 +271,6 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
     rows_left = seqlen_q - row0
     mask_rows += CONSUMER * BLOCK_M * stride_mm
     bias_rows += CONSUMER * BLOCK_M * stride_bm
-    score_rows += CONSUMER * BLOCK_M * stride_tm
-    threshold = gl.full_like(rows, 0)
-    last_tie = threshold
-    lowest = 0
-    highest = 0
-    if TOPK_FORM.given:
-        threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm)
-        lowest = gl.min(gl.where(rows < seqlen_q, threshold, 2 ** 31 - 1), 0)
-        highest = gl.max(gl.where(rows < seqlen_q, threshold, -2 ** 31), 0)
-    topk_view = (score_rows, stride_tm, stride_tn, threshold, last_tie, lowest, highest)
-    # per-key scores fold the keys every row drops into a bias of one row (or none)
-    FOLDS: gl.constexpr = TOPK_FORM.given and TOPK_FORM.rows_shared \
-        and not TOPK_FORM.cols_shared and not BIAS_FORM.tma \
-        and (not BIAS_FORM.given or BIAS_FORM.rows_shared)
     # keys past Sk or outside a row's window exist in the PARTIAL tiles only if:
     KEYS: gl.constexpr = HAS_LEFT or HAS_RIGHT or not EVEN_N or ROW_ORDER
     q = q_smem.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM])
@@ -401,11 +318,6 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
             start_n, (mask_rows, stride_mm, stride_mn), (bias_rows, stride_bm, stride_bn),
             rows_left, seqlen_k - start_n, s_layout, True, MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N,
             BLOCK_M, BLOCK_N)
-        topk = 0
-        if TOPK_FORM.given:
-            bias, topk = _topk_term(topk_view, start_n, bias, rows_left, seqlen_k - start_n,
-                                    s_layout, TOPK_FORM, FOLDS, BIAS_FORM.given,
-                                    SCORES_ARE_BIAS, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
         first_buf = first % NUM_BUF
         if not ROW_ORDER:
             mbarrier.wait(q_ready.index(CONSUMER), 0)
@@ -430,10 +342,8 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
                 step0_right = seqlen_q + seqlen_k
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                            diag_offset, step0_left, step0_right, qk_scale_log2,
-                                           keep, bias, topk, KEYS, MASK_FORM.given,
-                                           BIAS_FORM.given or FOLDS, TOPK_FORM.given, TOPK_FORM,
-                                           FOLDS, HAS_LEFT, HAS_RIGHT, EXPLICIT, EVEN_M, EVEN_N,
-                                           BLOCK_M, BLOCK_N, s_layout)
+                                           keep, bias, KEYS, MASK_FORM.given, BIAS_FORM.given,
+                                           HAS_LEFT, HAS_RIGHT, EXPLICIT, BLOCK_N)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
         # three runs of steps. Explicit: the PARTIAL ones, then the FULL ones; implicit: the
         # tiles cut by the windows' left edges, those seen whole, those cut on the right or by
@@ -452,9 +362,9 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
                         l_i, s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
                         window_left, window_right, qk_scale_log2, first_tile, num_tiles,
                         (mask_rows, stride_mm, stride_mn), (bias_rows, stride_bm, stride_bn),
-                        topk_view, mask_smem, bias_smem, next_tiles, CONSUMER, EXPLICIT, run != 1,
+                        mask_smem, bias_smem, next_tiles, CONSUMER, EXPLICIT, run != 1,
                         (run != 1 and KEYS) or (EXPLICIT and not EVEN_N), MASK_FORM, BIAS_FORM,
-                        TOPK_FORM, FOLDS and run != 1, SCORES_ARE_BIAS, HAS_LEFT and run != 1, HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M,
+                        HAS_LEFT and run != 1, HAS_RIGHT and run != 1, EVEN_M, EVEN_N, BLOCK_M,
                         BLOCK_N, HEAD_DIM, NUM_BUF, CONSUMERS, s_layout, o_layout, p_layout)
         last = (num_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_BUF) & 1)
@@ -498,11 +408,9 @@ def _attend(common, CONSUMER: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: g
 def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, acc, p_op, m_i, l_i,
                      s_zero, rows, rows_left, seqlen_k, row_ends, key_full, diag_offset,
                      window_left, window_right, qk_scale_log2, first_tile, num_tiles, mask_view,
-                     bias_view, topk_view, mask_smem, bias_smem, next_tiles,
-                     CONSUMER: gl.constexpr, EXPLICIT: gl.constexpr, MASKED: gl.constexpr,
-                     KEYS: gl.constexpr, MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr,
-                     TOPK_FORM: gl.constexpr, FOLDS: gl.constexpr, SCORES_ARE_BIAS: gl.constexpr,
-                     HAS_LEFT: gl.constexpr,
+                     bias_view, mask_smem, bias_smem, next_tiles, CONSUMER: gl.constexpr,
+                     EXPLICIT: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr,
+                     MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, HAS_LEFT: gl.constexpr,
                      HAS_RIGHT: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
@@ -510,19 +418,13 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     """Step j, on the key tile at start_n: issue S_j = Q K_j^T and acc += P_{j-1} V_{j-1}; the
     softmax of S_j runs while the second matmul is on the tensor cores. K_j's buffer goes back
     to the producer once S_j is done, V_{j-1}'s after its matmul. MASKED: a PARTIAL step (reads
-    the mask and the top-k scores, applies the KEYS predicate). Returns the next step's key start (explicit: from
+    the mask, applies the KEYS predicate). Returns the next step's key start (explicit: from
     the producer, with K_j), known a step ahead like the mask / bias tiles, whose loads are
     issued before the waits (by TMA: the producer's tiles are read while the matmuls run).
     mask_view / bias_view: (row 0 of this consumer at key 0, row stride, column stride)."""
     keep, bias = _elementwise_tiles(start_n, mask_view, bias_view, rows_left, seqlen_k - start_n,
                                     s_layout, MASKED, MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N,
                                     BLOCK_M, BLOCK_N)
-    TOPK: gl.constexpr = MASKED and TOPK_FORM.given
-    topk = 0
-    if TOPK:
-        bias, topk = _topk_term(topk_view, start_n, bias, rows_left, seqlen_k - start_n,
-                                s_layout, TOPK_FORM, FOLDS, BIAS_FORM.given, SCORES_ARE_BIAS,
-                                EVEN_M, EVEN_N, BLOCK_M, BLOCK_N)
     buf = j % NUM_BUF
     prev = (j - 1) % NUM_BUF
     mbarrier.wait(k_ready.index(buf), (j // NUM_BUF) & 1)
@@ -548,11 +450,9 @@ def _overlapped_tile(j, start_n, q, k_smem, v_smem, k_ready, v_ready, kv_free, a
     mbarrier.arrive(kv_free.index(buf))  # K_j (and the step's mask / bias tiles, read above)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows, start_n, row_ends, key_full,
                                        diag_offset, window_left, window_right, qk_scale_log2,
-                                       keep, bias, topk, KEYS,
-                                       MASKED and MASK_FORM.given and not TERMS,
-                                       BIAS_FORM.given or TERMS or FOLDS, TOPK, TOPK_FORM,
-                                       FOLDS, HAS_LEFT, HAS_RIGHT, EXPLICIT, EVEN_M, EVEN_N,
-                                       BLOCK_M, BLOCK_N, s_layout)
+                                       keep, bias, KEYS, MASKED and MASK_FORM.given and not TERMS,
+                                       BIAS_FORM.given or TERMS, HAS_LEFT, HAS_RIGHT, EXPLICIT,
+                                       BLOCK_N)
     # P_{j-1} stays live until its matmul is done: the wgmma reads it from registers
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_free.index(NUM_BUF + prev))
@@ -565,20 +465,20 @@ def _fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse, lse_strides, KvNum, KvIdx, FullKvNum, FullKvIdx,
     list_strides, Mask, mask_layout, mask_desc, mask_batch_rows, Bias, bias_layout, bias_desc,
     bias_batch_rows, shape, window, qk_scale_log2, Q, q_strides, Out, out_strides, RowLens,
-    stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK, TopkScores, TopkPairs, topk_layout,
+    stride_rlb, RowOrder, CuSeqlensQ, CuSeqlensK,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, REVERSE_M: gl.constexpr,
     EXPLICIT: gl.constexpr, ROW_ORDER: gl.constexpr, PACKED: gl.constexpr,
-    MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr, TOPK_FORM: gl.constexpr,
-    SCORES_ARE_BIAS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMERS: gl.constexpr,
+    MASK_FORM: gl.constexpr, BIAS_FORM: gl.constexpr,
+    EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, FLAT: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Tensors and descriptors are arguments of their own (call plans replay a launch by setting
     them); their scalars come in tuples, in the order the launcher flattens: lse_strides (batch,
     head), list_strides ((batch, head, row) of the lists' num, indices, full num, full indices),
     mask_layout / bias_layout (batch, head, row, column strides, head divisor), shape (Sq, Sk,
-    heads, group), window (diag offset, left, right), q_strides / out_strides (batch, row, head),
-    topk_layout (`TopkTerm.operands`'). MASK_FORM / BIAS_FORM / TOPK_FORM: `ElementForm`s."""
+    heads, group), window (diag offset, left, right), q_strides / out_strides (batch, row, head).
+    MASK_FORM / BIAS_FORM: `ElementForm`s."""
     stride_lb, stride_lh = lse_strides
     stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
     stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
@@ -586,8 +486,6 @@ def _fwd_hopper_kernel(
     diag_offset, window_left, window_right = window
     stride_qb, stride_qm, stride_qh = q_strides
     stride_ob, stride_om, stride_oh = out_strides
-    (stride_tsb, stride_tsh, stride_tsm, stride_tsn, score_head_div,
-     stride_tp, stride_tpb, stride_tph, stride_tpm, pair_head_div) = topk_layout
     tile_m = gl.program_id(0)
     if REVERSE_M:
         # causal: the longest rows start first, so the tail of the grid is short work
@@ -633,10 +531,6 @@ def _fwd_hopper_kernel(
         + (off_h // mask_head_div).to(gl.int64) * stride_mh + start_m.to(gl.int64) * stride_mm
     bias_rows = Bias + off_b.to(gl.int64) * stride_bb \
         + (off_h // bias_head_div).to(gl.int64) * stride_bh + start_m.to(gl.int64) * stride_bm
-    score_rows = TopkScores + off_b.to(gl.int64) * stride_tsb \
-        + (off_h // score_head_div).to(gl.int64) * stride_tsh + start_m.to(gl.int64) * stride_tsm
-    pair_rows = TopkPairs + off_b.to(gl.int64) * stride_tpb \
-        + (off_h // pair_head_div).to(gl.int64) * stride_tph
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -671,8 +565,7 @@ def _fwd_hopper_kernel(
               q_start, off_b, off_h, start_m, seqlen_q, seqlen_k, diag_offset, window_left,
               window_right, qk_scale_log2, first_tile, num_tiles, num_part, part_list, full_list,
               mask_rows, stride_mm, stride_mn, bias_rows, stride_bm, stride_bn, mask_smem,
-              bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows,
-              score_rows, stride_tsm, stride_tsn, pair_rows, stride_tp, stride_tpm)
+              bias_smem, next_tiles, q_rows, stride_qm, o_rows, stride_om, lens_rows, order_rows)
     producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                 kv_free, off_b, off_h, off_h // group, start_m, first_tile, num_tiles, num_part,
                 part_list, full_list, q_start, k_start, mask_desc, mask_smem,
@@ -683,44 +576,27 @@ def _fwd_hopper_kernel(
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     if CONSUMERS == 3:
         gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       MASK_FORM, BIAS_FORM, TOPK_FORM, SCORES_ARE_BIAS, EVEN_M,
-                                       EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       MASK_FORM, BIAS_FORM, TOPK_FORM, SCORES_ARE_BIAS, EVEN_M,
-                                       EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 2, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       MASK_FORM, BIAS_FORM, TOPK_FORM, SCORES_ARE_BIAS, EVEN_M,
-                                       EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
                                         EXPLICIT, MASK_FORM, BIAS_FORM, ROW_ORDER, CONSUMERS))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_attend, (common, 0, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       MASK_FORM, BIAS_FORM, TOPK_FORM, SCORES_ARE_BIAS, EVEN_M,
-                                       EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_attend, (common, 1, HAS_LEFT, HAS_RIGHT, EXPLICIT, ROW_ORDER, PACKED,
-                                       MASK_FORM, BIAS_FORM, TOPK_FORM, SCORES_ARE_BIAS, EVEN_M,
-                                       EVEN_N, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
-                                       CONSUMERS)),
+                                       MASK_FORM, BIAS_FORM, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, NUM_BUF, FLAT, CONSUMERS)),
                             (_load_kv, (producer, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_BUF, FLAT,
                                         EXPLICIT, MASK_FORM, BIAS_FORM, ROW_ORDER, CONSUMERS))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _scores_are_bias(topk: TopkTerm | None, bias: Elementwise | None, bias_tma: bool) -> bool:
-    """Whether the top-k scores are the bias, which the consumers load themselves (the DMA
-    case: scores default to the bias)."""
-    if topk is None or bias is None or bias_tma:
-        return False
-    scores, given = topk.scores, bias
-    return scores.tensor.data_ptr() == given.tensor.data_ptr() \
-        and scores.tensor.dtype == given.tensor.dtype and scores.strides == given.strides \
-        and scores.head_div == given.head_div and scores.rows_shared == given.rows_shared \
-        and scores.cols_shared == given.cols_shared
 
 
 def _plain(schedule, bias: Elementwise | None, packed: PackedSequences | None,
@@ -767,20 +643,19 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
                    mask: Elementwise | None = None, bias: Elementwise | None = None,
                    row_lens: torch.Tensor | None = None,
                    row_order: torch.Tensor | None = None,
-                   packed: PackedSequences | None = None, topk: TopkTerm | None = None) -> None:
+                   packed: PackedSequences | None = None) -> None:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (like q), lse (B, H, Sq) fp32, written in place;
     packed: q (total_q, H, D), k/v (total_k, Hk, D) -> lse (H, total_q). schedule: the forward lists
     (None: dense / causal / window from args); the mask (which needs them) is applied in their
     PARTIAL tiles, the bias in every tile. row_lens / row_order (int32 (B, Sq), contiguous; per-row
     key lengths alone): the lengths sorted longest first within each batch, clamped to [0, Sk], and
     the caller row of each (`length_order`): tiles follow that order, q / out / lse stay in the
-    caller's. topk: the rows' threshold pairs and their scores, applied in the schedule's PARTIAL
-    tiles. The plan (plan.py) gives it only calls `hopper_forward_refusal` accepts."""
+    caller's. The plan (plan.py) gives it only calls `hopper_forward_refusal` accepts."""
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     num_heads, head_dim = q.shape[-2:]
     num_heads_k = k.shape[-2]
-    if (mask is not None or topk is not None) and schedule is None:
-        raise ValueError("hopper_forward: an element mask or top-k comes with its schedule's lists")
+    if mask is not None and schedule is None:
+        raise ValueError("hopper_forward: an element mask comes with its schedule's lists")
     if (row_lens is None) != (row_order is None):
         raise ValueError("hopper_forward: row_lens and row_order come together")
     cfg = hopper_forward_config(head_dim, bias is not None and bias.spans_queries_and_keys,
@@ -809,14 +684,10 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
         (seqlen_k - seqlen_q, args.window_left, args.window_right), args.qk_scale_log2, q,
         row_strides(q), out, row_strides(out), *row_lens_operands(row_lens, q.device, row_order),
         *packed_operands(packed, q.device),
-        *(topk.operands(num_heads) if topk is not None
-          else TopkTerm.placeholder_operands(q.device)),
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, REVERSE_M=args.later_rows_see_more,
         EXPLICIT=schedule is not None, ROW_ORDER=row_order is not None, PACKED=packed is not None,
         MASK_FORM=ElementForm.of(mask, mask_tma is not None),
         BIAS_FORM=ElementForm.of(bias, bias_tma is not None),
-        TOPK_FORM=ElementForm.of(topk.scores if topk is not None else None),
-        SCORES_ARE_BIAS=_scores_are_bias(topk, bias, bias_tma is not None),
         EVEN_M=even and seqlen_q % cfg.block_m == 0, EVEN_N=even and seqlen_k % cfg.block_n == 0,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
