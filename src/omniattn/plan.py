@@ -43,7 +43,11 @@ _LEFT_WINDOW_MASK = "an element mask with a left window bound keeps the Triton f
     "tiles (0.284-0.288 against 0.297-0.303 ms Gluon, H100 4k)"
 
 
-_TOPK = "top-k: the Triton kernels read the rows' threshold pairs, the Gluon ones not yet"
+# a Gluon forward that read the pairs (key bias folded, 128 x 128 lists) ran slower than the
+# Triton one, whose 64 x 64 lists leave more tiles out. H100, B1 H16/4 128k causal K 2048, whole
+# forward call: 225 against 189 ms; B2 H16 4k K 1024: 2.46 against 1.77 ms (docs/perf/topk.md)
+_TOPK = "top-k: the Triton kernels read the rows' threshold pairs (a Gluon forward that read " \
+    "them ran slower: 225 against 189 ms, H100 128k)"
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ def test_explain_names_the_kernels_that_read_thresholds(monkeypatch):
     assert decode.forward.kernel == "fwd_decode" and decode.forward.refused == ()
     assert "top-k: each packed row keeps the keys of its own threshold pair" in str(decode)
     assert "explicit lists (top-k tile states)" in str(plan)
-    assert "the Gluon ones not yet" in str(plan)
+    assert "a Gluon forward that read them ran slower" in str(plan)
     # K at least Sk: nothing to select
     assert "top-k" not in str(omniattn.explain(q, k, v, attn_bias=bias, topk=8))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -287,3 +287,27 @@ def test_gpu_top_k_runs_the_triton_kernels(dtype, seqlen):
                             visible_keys(2, 2, seqlen, seqlen, causal=True).cpu(), 64)
     check_against_reference(out, lse, grads, q, k, v, dout, attn_bias=bias,
                             attn_mask=keep.repeat_interleave(2, 1).cuda(), causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("form", ["per_query_head", "shared", "full"])
+def test_gpu_top_k_scores_apart_from_the_bias(form):
+    """Scores given apart from the bias (per query head, one row for all heads, or spanning
+    (Sq, Sk)) with a window and no bias: the forward against the oracle."""
+    torch.manual_seed(3)
+    batch, seqlen, heads, heads_k = 2, 517, 4, 2
+    q = torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, seqlen, heads_k, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    shape = {"per_query_head": (batch, heads, 1, seqlen), "shared": (1, 1, 1, seqlen),
+             "full": (batch, 1, seqlen, seqlen)}[form]
+    scores = tied_scores(shape, 5).to("cuda", torch.float32)
+    window = (300, 0)
+    out, lse = omniattn.attention(q, k, v, window=window, topk=40, topk_scores=scores,
+                                  return_lse=True)
+    scores = scores.cpu().expand(batch, -1, seqlen, seqlen)
+    visible = visible_keys(*scores.shape[:2], seqlen, seqlen, window=window)
+    keep = brute_force_topk(scores, visible, 40)
+    check_against_reference(out, lse, None, q, k, v, torch.zeros_like(out), window=window,
+                            attn_mask=keep.expand(batch, heads, -1, -1).cuda())
