@@ -68,12 +68,18 @@ def topk_keep(scores, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def row_pairs(pairs, pair_stride, rows, n_rows, stride_row):
+def row_pairs(pairs, pair_stride, rows, n_rows, stride_row, HAS_TOPK: tl.constexpr):
     """[BM] (threshold, last_tie) of rows `rows` from a (2, ...) pair tensor whose row 0 of this
-    (batch, head) is at `pairs`; rows past n_rows keep everything."""
-    inside = rows < n_rows
-    threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
-    last_tie = tl.load(pairs + pair_stride + rows * stride_row, mask=inside, other=2 ** 31 - 1)
+    (batch, head) is at `pairs`; rows past n_rows keep everything. Without HAS_TOPK: zeros,
+    which no tile reads (no loads: a call without the term compiles as if it had no pairs)."""
+    if HAS_TOPK:
+        inside = rows < n_rows
+        threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
+        last_tie = tl.load(pairs + pair_stride + rows * stride_row, mask=inside,
+                           other=2 ** 31 - 1)
+    else:
+        threshold = tl.zeros(rows.shape, tl.int32)
+        last_tie = threshold
     return threshold, last_tie
 
 

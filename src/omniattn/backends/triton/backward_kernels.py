@@ -106,7 +106,8 @@ def _dkdv_tiles(
                     bit_col + (start_m // USER_BQ) * stride_sq, block_bits, rows, offs_n,
                     USER_BQ, USER_BK, True)
             if TOPK_FORM[0]:
-                threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm)
+                threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm,
+                                                True)
                 top_scores_t = load_pair_tile(
                     score_cols + start_m.to(tl.int64) * stride_tm, local_n, offs_m, stride_tn,
                     stride_tm, cols_left, seqlen_q - start_m, TOPK_FORM[2], TOPK_FORM[1],
@@ -463,12 +464,9 @@ def _dq_program(
     bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
     score_rows = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
         + start_m.to(tl.int64) * stride_tsm
-    threshold = tl.zeros([BLOCK_M], tl.int32)
-    last_tie = threshold
-    if TOPK_FORM[0]:
-        threshold, last_tie = row_pairs(
-            pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m,
-            seqlen_q, stride_tpm)
+    threshold, last_tie = row_pairs(
+        pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m,
+        seqlen_q, stride_tpm, TOPK_FORM[0])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(

@@ -232,13 +232,10 @@ def _fwd_kernel(
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
     score_rows = TopkScores + off_b.to(tl.int64) * stride_tsb \
         + (off_h // score_head_div).to(tl.int64) * stride_tsh + row0 * stride_tsm
-    threshold = tl.zeros([BLOCK_M], tl.int32)
-    last_tie = threshold
-    if TOPK_FORM[0]:
-        threshold, last_tie = row_pairs(
-            TopkPairs + off_b.to(tl.int64) * stride_tpb
-            + (off_h // pair_head_div).to(tl.int64) * stride_tph + first_q * stride_tpm,
-            stride_tp, offs_m, seqlen_q, stride_tpm)
+    threshold, last_tie = row_pairs(
+        TopkPairs + off_b.to(tl.int64) * stride_tpb
+        + (off_h // pair_head_div).to(tl.int64) * stride_tph + first_q * stride_tpm,
+        stride_tp, offs_m, seqlen_q, stride_tpm, TOPK_FORM[0])
     # rows in length order: row offs_m of this tile is the caller's row caller_m
     caller_m = offs_m
     if ROW_ORDER:
