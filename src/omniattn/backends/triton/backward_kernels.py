@@ -254,6 +254,17 @@ def _dq_tiles(
 
 
 @triton.jit
+def _topk_head(topk_view, off_h):
+    """Query head off_h's part of bwd_kernel's topk_view: its top-k scores at (row 0, key 0),
+    their row and key strides, its threshold pairs at row 0, the pairs' pair and row strides."""
+    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
+    score_head = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh
+    pair_head = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
+    return score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm
+
+
+@triton.jit
 def _dkdv_program(
     tile_n, off_b, first_head, HEADS: tl.constexpr, kv_slot, Q, DOut, Lse, Delta, DK, DV, DQ,
     k_base, v_base, q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
@@ -297,8 +308,6 @@ def _dkdv_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
-    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
-     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -341,9 +350,9 @@ def _dkdv_program(
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
         bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
-        score_cols = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
-            + start_n.to(tl.int64) * stride_tsn
-        pair_rows = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
+        score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_head(
+            topk_view, off_h)
+        score_cols = score_head + start_n.to(tl.int64) * stride_tsn
         dbias_slot = off_h if DBIAS_PER_QHEAD else kv_slot
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
@@ -364,7 +373,7 @@ def _dkdv_program(
                 (qk_scale_log2, softcap_inv_scaled, softcap_log2),
                 (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
                 (bit_col, stride_sq, block_bits), dq_tile, stride_dqm, softmax_scale,
-                (score_cols, stride_tsm, stride_tsn, pair_rows, stride_tp, stride_tpm),
+                (score_cols, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm),
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
                 (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), TOPK_FORM, HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
@@ -428,8 +437,6 @@ def _dq_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
-    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
-     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -462,11 +469,11 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_dbm
     key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
-    score_rows = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
-        + start_m.to(tl.int64) * stride_tsm
-    threshold, last_tie = row_pairs(
-        pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m,
-        seqlen_q, stride_tpm, TOPK_FORM[0])
+    score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_head(
+        topk_view, off_h)
+    score_rows = score_head + start_m.to(tl.int64) * stride_tsm
+    threshold, last_tie = row_pairs(pair_head, stride_tp, offs_m, seqlen_q, stride_tpm,
+                                    TOPK_FORM[0])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(
