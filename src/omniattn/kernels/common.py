@@ -84,6 +84,24 @@ def row_pairs(pairs, pair_stride, rows, n_rows, stride_row, HAS_TOPK: tl.constex
 
 
 @triton.jit
+def topk_tile_keep(scores, local_m, local_n, stride_m, stride_n, rows_left, keys_left, keys,
+                   threshold, last_tie, TOPK_FORM: tl.constexpr, EVEN_M: tl.constexpr,
+                   EVEN_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """`topk_keep` of one PARTIAL tile, its top-k scores loaded here: [BM, BN] ([BN, BM] when
+    TRANSPOSED). scores: the top-k scores at the tile's first (row, key); local_m / local_n:
+    row / key offsets in the tile along stride_m / stride_n; rows_left / keys_left: the rows /
+    keys the sequence has from there (scores past them read 0); keys [BN], threshold /
+    last_tie [BM]: as topk_keep's; TOPK_FORM: (given, rows shared, columns shared)."""
+    if TRANSPOSED:
+        top_scores = load_pair_tile(scores, local_n, local_m, stride_n, stride_m, keys_left,
+                                    rows_left, TOPK_FORM[2], TOPK_FORM[1], EVEN_N, EVEN_M)
+    else:
+        top_scores = load_pair_tile(scores, local_m, local_n, stride_m, stride_n, rows_left,
+                                    keys_left, TOPK_FORM[1], TOPK_FORM[2], EVEN_M, EVEN_N)
+    return topk_keep(top_scores, keys, threshold, last_tie, TRANSPOSED)
+
+
+@triton.jit
 def block_bits_keep(slot_ptr, bits, rows, cols, USER_BQ: tl.constexpr, USER_BK: tl.constexpr,
                     TRANSPOSED: tl.constexpr):
     """Element bitmap of the user block whose slot is at slot_ptr (the tile lies inside it):

@@ -9,7 +9,7 @@ import triton.language as tl
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
                                implicit_q_range, length_kv_range, length_q_range, load_pair_tile,
                                load_rows, row_key_end, row_pairs, schedule_phase, schedule_rows,
-                               scores_log2, sequence_bounds, store_pair_tile, topk_keep,
+                               scores_log2, sequence_bounds, store_pair_tile, topk_tile_keep,
                                visible_elements)
 
 
@@ -108,12 +108,10 @@ def _dkdv_tiles(
             if TOPK_FORM[0]:
                 threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm,
                                                 True)
-                top_scores_t = load_pair_tile(
-                    score_cols + start_m.to(tl.int64) * stride_tm, local_n, offs_m, stride_tn,
-                    stride_tm, cols_left, seqlen_q - start_m, TOPK_FORM[2], TOPK_FORM[1],
-                    EVEN_N, EVEN_M)
-                visible_t = visible_t & topk_keep(top_scores_t, offs_n, threshold, last_tie,
-                                                  True)
+                visible_t = visible_t & topk_tile_keep(
+                    score_cols + start_m.to(tl.int64) * stride_tm, offs_m, local_n, stride_tm,
+                    stride_tn, seqlen_q - start_m, cols_left, offs_n, threshold, last_tie,
+                    TOPK_FORM, EVEN_M, EVEN_N, True)
             p_t = tl.where(visible_t, p_t, 0.0)
         if WITH_DK:
             # issued before dV's matmul: after it, H100 block-sparse 16k fwd+bwd took 16.72 ms
@@ -231,11 +229,10 @@ def _dq_tiles(
                     bit_row + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                     USER_BQ, USER_BK, False)
             if TOPK_FORM[0]:
-                top_scores = load_pair_tile(
+                visible = visible & topk_tile_keep(
                     score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n, stride_tm,
-                    stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1], TOPK_FORM[2],
-                    EVEN_M, EVEN_N)
-                visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
+                    stride_tn, rows_left, seqlen_k - start_n, keys, threshold, last_tie,
+                    TOPK_FORM, EVEN_M, EVEN_N, False)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         if DROPOUT:

@@ -9,7 +9,7 @@ import triton.language as tl
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
                                length_kv_range, load_pair_tile, load_rows, row_key_end, row_pairs,
                                schedule_phase, schedule_rows, scores_log2, sequence_bounds,
-                               topk_keep, visible_elements)
+                               topk_tile_keep, visible_elements)
 from ...kernels.elementwise import Elementwise, TopkTerm
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
 from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
@@ -97,11 +97,10 @@ def _fwd_tiles(
                         bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                         USER_BQ, USER_BK, False)
                 if HAS_TOPK:
-                    top_scores = load_pair_tile(
+                    visible = visible & topk_tile_keep(
                         score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n,
-                        stride_tm, stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1],
-                        TOPK_FORM[2], EVEN_M, EVEN_N)
-                    visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
+                        stride_tm, stride_tn, rows_left, seqlen_k - start_n, keys, threshold,
+                        last_tie, TOPK_FORM, EVEN_M, EVEN_N, False)
                 s = tl.where(visible, s, float("-inf"))
             elif not EVEN_N:
                 # a FULL tile of an explicit schedule may still run past Sk
