@@ -70,8 +70,8 @@ def topk_keep(scores, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
 @triton.jit
 def row_pairs(pairs, pair_stride, rows, n_rows, stride_row, HAS_TOPK: tl.constexpr):
     """[BM] (threshold, last_tie) of rows `rows` from a (2, ...) pair tensor whose row 0 of this
-    (batch, head) is at `pairs`; rows past n_rows keep everything. Without HAS_TOPK: zeros,
-    which no tile reads (no loads: a call without the term compiles as if it had no pairs)."""
+    (batch, head) is at `pairs`; rows past n_rows keep everything. Without HAS_TOPK: zeros
+    that no tile reads, and no loads (the caller's pair addresses are then dead code)."""
     if HAS_TOPK:
         inside = rows < n_rows
         threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
