@@ -251,14 +251,20 @@ def _dq_tiles(
 
 
 @triton.jit
-def _topk_head(topk_view, off_h):
-    """Query head off_h's part of bwd_kernel's topk_view: its top-k scores at (row 0, key 0),
-    their row and key strides, its threshold pairs at row 0, the pairs' pair and row strides."""
+def _topk_program_view(topk_view, off_h, start, TRANSPOSED: tl.constexpr):
+    """One program's part of bwd_kernel's topk_view, for query head off_h: its top-k scores at
+    key `start` (TRANSPOSED: a dK/dV program's key tile) or row `start` (a dQ program's query
+    tile), their row and key strides, its threshold pairs at row 0, the pairs' pair and row
+    strides."""
     (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
      pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     score_head = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh
+    if TRANSPOSED:
+        score_tile = score_head + start.to(tl.int64) * stride_tsn
+    else:
+        score_tile = score_head + start.to(tl.int64) * stride_tsm
     pair_head = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
-    return score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm
+    return score_tile, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm
 
 
 @triton.jit
@@ -347,9 +353,8 @@ def _dkdv_program(
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
         bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
-        score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_head(
-            topk_view, off_h)
-        score_cols = score_head + start_n.to(tl.int64) * stride_tsn
+        score_cols, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = \
+            _topk_program_view(topk_view, off_h, start_n, True)
         dbias_slot = off_h if DBIAS_PER_QHEAD else kv_slot
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
@@ -466,9 +471,8 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_dbm
     key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
-    score_head, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_head(
-        topk_view, off_h)
-    score_rows = score_head + start_m.to(tl.int64) * stride_tsm
+    score_rows, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_program_view(
+        topk_view, off_h, start_m, False)
     threshold, last_tie = row_pairs(pair_head, stride_tp, offs_m, seqlen_q, stride_tpm,
                                     TOPK_FORM[0])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
