@@ -68,13 +68,37 @@ def topk_keep(scores, keys, threshold, last_tie, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def row_pairs(pairs, pair_stride, rows, n_rows, stride_row):
+def row_pairs(pairs, pair_stride, rows, n_rows, stride_row, HAS_TOPK: tl.constexpr):
     """[BM] (threshold, last_tie) of rows `rows` from a (2, ...) pair tensor whose row 0 of this
-    (batch, head) is at `pairs`; rows past n_rows keep everything."""
-    inside = rows < n_rows
-    threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
-    last_tie = tl.load(pairs + pair_stride + rows * stride_row, mask=inside, other=2 ** 31 - 1)
+    (batch, head) is at `pairs`; rows past n_rows keep everything. Without HAS_TOPK: zeros
+    that no tile reads, and no loads (the caller's pair addresses are then dead code)."""
+    if HAS_TOPK:
+        inside = rows < n_rows
+        threshold = tl.load(pairs + rows * stride_row, mask=inside, other=-2 ** 31)
+        last_tie = tl.load(pairs + pair_stride + rows * stride_row, mask=inside,
+                           other=2 ** 31 - 1)
+    else:
+        threshold = tl.zeros(rows.shape, tl.int32)
+        last_tie = threshold
     return threshold, last_tie
+
+
+@triton.jit
+def topk_tile_keep(scores, local_m, local_n, stride_m, stride_n, rows_left, keys_left, keys,
+                   threshold, last_tie, TOPK_FORM: tl.constexpr, EVEN_M: tl.constexpr,
+                   EVEN_N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """`topk_keep` of one PARTIAL tile, its top-k scores loaded here: [BM, BN] ([BN, BM] when
+    TRANSPOSED). scores: the top-k scores at the tile's first (row, key); local_m / local_n:
+    row / key offsets in the tile along stride_m / stride_n; rows_left / keys_left: the rows /
+    keys the sequence has from there (scores past them read 0); keys [BN], threshold /
+    last_tie [BM]: as topk_keep's; TOPK_FORM: (given, rows shared, columns shared)."""
+    if TRANSPOSED:
+        top_scores = load_pair_tile(scores, local_n, local_m, stride_n, stride_m, keys_left,
+                                    rows_left, TOPK_FORM[2], TOPK_FORM[1], EVEN_N, EVEN_M)
+    else:
+        top_scores = load_pair_tile(scores, local_m, local_n, stride_m, stride_n, rows_left,
+                                    keys_left, TOPK_FORM[1], TOPK_FORM[2], EVEN_M, EVEN_N)
+    return topk_keep(top_scores, keys, threshold, last_tie, TRANSPOSED)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import triton.language as tl
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
                                implicit_q_range, length_kv_range, length_q_range, load_pair_tile,
                                load_rows, row_key_end, row_pairs, schedule_phase, schedule_rows,
-                               scores_log2, sequence_bounds, store_pair_tile, topk_keep,
+                               scores_log2, sequence_bounds, store_pair_tile, topk_tile_keep,
                                visible_elements)
 
 
@@ -106,13 +106,12 @@ def _dkdv_tiles(
                     bit_col + (start_m // USER_BQ) * stride_sq, block_bits, rows, offs_n,
                     USER_BQ, USER_BK, True)
             if TOPK_FORM[0]:
-                threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm)
-                top_scores_t = load_pair_tile(
-                    score_cols + start_m.to(tl.int64) * stride_tm, local_n, offs_m, stride_tn,
-                    stride_tm, cols_left, seqlen_q - start_m, TOPK_FORM[2], TOPK_FORM[1],
-                    EVEN_N, EVEN_M)
-                visible_t = visible_t & topk_keep(top_scores_t, offs_n, threshold, last_tie,
-                                                  True)
+                threshold, last_tie = row_pairs(pair_rows, stride_tp, rows, seqlen_q, stride_tpm,
+                                                True)
+                visible_t = visible_t & topk_tile_keep(
+                    score_cols + start_m.to(tl.int64) * stride_tm, offs_m, local_n, stride_tm,
+                    stride_tn, seqlen_q - start_m, cols_left, offs_n, threshold, last_tie,
+                    TOPK_FORM, EVEN_M, EVEN_N, True)
             p_t = tl.where(visible_t, p_t, 0.0)
         if WITH_DK:
             # issued before dV's matmul: after it, H100 block-sparse 16k fwd+bwd took 16.72 ms
@@ -230,11 +229,10 @@ def _dq_tiles(
                     bit_row + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                     USER_BQ, USER_BK, False)
             if TOPK_FORM[0]:
-                top_scores = load_pair_tile(
+                visible = visible & topk_tile_keep(
                     score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n, stride_tm,
-                    stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1], TOPK_FORM[2],
-                    EVEN_M, EVEN_N)
-                visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
+                    stride_tn, rows_left, seqlen_k - start_n, keys, threshold, last_tie,
+                    TOPK_FORM, EVEN_M, EVEN_N, False)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         if DROPOUT:
@@ -250,6 +248,23 @@ def _dq_tiles(
             ds = ds * (1.0 - capped * capped)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq, dbias_rows
+
+
+@triton.jit
+def _topk_program_view(topk_view, off_h, start, TRANSPOSED: tl.constexpr):
+    """One program's part of bwd_kernel's topk_view, for query head off_h: its top-k scores at
+    key `start` (TRANSPOSED: a dK/dV program's key tile) or row `start` (a dQ program's query
+    tile), their row and key strides, its threshold pairs at row 0, the pairs' pair and row
+    strides."""
+    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
+     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
+    score_head = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh
+    if TRANSPOSED:
+        score_tile = score_head + start.to(tl.int64) * stride_tsn
+    else:
+        score_tile = score_head + start.to(tl.int64) * stride_tsm
+    pair_head = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
+    return score_tile, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm
 
 
 @triton.jit
@@ -296,8 +311,6 @@ def _dkdv_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
-    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
-     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -340,9 +353,8 @@ def _dkdv_program(
         bias_cols = bias_batch + (off_h // bias_head_div).to(tl.int64) * stride_bh \
             + start_n.to(tl.int64) * stride_bn
         bit_col = bit_batch + off_h * stride_sh + (start_n // USER_BK) * stride_sk
-        score_cols = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
-            + start_n.to(tl.int64) * stride_tsn
-        pair_rows = pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph
+        score_cols, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = \
+            _topk_program_view(topk_view, off_h, start_n, True)
         dbias_slot = off_h if DBIAS_PER_QHEAD else kv_slot
         dbias_cols = dbias_batch + dbias_slot.to(tl.int64) * stride_dbh \
             + start_n.to(tl.int64) * stride_dbn
@@ -363,7 +375,7 @@ def _dkdv_program(
                 (qk_scale_log2, softcap_inv_scaled, softcap_log2),
                 (rng_seed, rng_batch_base + off_h * rng_head_stride, rng_stride, dropout_p),
                 (bit_col, stride_sq, block_bits), dq_tile, stride_dqm, softmax_scale,
-                (score_cols, stride_tsm, stride_tsn, pair_rows, stride_tp, stride_tpm),
+                (score_cols, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm),
                 EXPLICIT, phase != 1, EVEN_M, EVEN_N, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                 (HAS_MASK, MASK_ROWS_SHARED, MASK_COLS_SHARED),
                 (HAS_BIAS, BIAS_ROWS_SHARED, BIAS_COLS_SHARED), TOPK_FORM, HAS_ROW_LENS, DROPOUT, DBIAS and WITH_DK, (not DBIAS_PER_QHEAD) and HEADS > 1,
@@ -427,8 +439,6 @@ def _dq_program(
     diag_offset, window_left, window_right = window
     qk_scale_log2, softcap_inv_scaled, softcap_log2 = scores
     rng_seed, rng_batch_base, rng_head_stride, rng_stride, dropout_p = rng
-    (score_batch, stride_tsh, stride_tsm, stride_tsn, score_head_div,
-     pair_batch, stride_tp, stride_tph, stride_tpm, pair_head_div) = topk_view
     # a constexpr tuple's items stay constexpr when indexed (not when unpacked)
     HAS_MASK: tl.constexpr = MASK_FORM[0]
     MASK_ROWS_SHARED: tl.constexpr = MASK_FORM[1]
@@ -461,14 +471,10 @@ def _dq_program(
         + start_m.to(tl.int64) * stride_dbm
     key_end = row_key_end(row_lens, offs_m, seqlen_q, seqlen_k, HAS_ROW_LENS)  # [BM]
     bit_row = bit_batch + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
-    score_rows = score_batch + (off_h // score_head_div).to(tl.int64) * stride_tsh \
-        + start_m.to(tl.int64) * stride_tsm
-    threshold = tl.zeros([BLOCK_M], tl.int32)
-    last_tie = threshold
-    if TOPK_FORM[0]:
-        threshold, last_tie = row_pairs(
-            pair_batch + (off_h // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m,
-            seqlen_q, stride_tpm)
+    score_rows, stride_tsm, stride_tsn, pair_head, stride_tp, stride_tpm = _topk_program_view(
+        topk_view, off_h, start_m, False)
+    threshold, last_tie = row_pairs(pair_head, stride_tp, offs_m, seqlen_q, stride_tpm,
+                                    TOPK_FORM[0])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dbias_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, full_lo, full_hi, hi = implicit_kv_range(

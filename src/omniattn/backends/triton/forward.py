@@ -9,7 +9,7 @@ import triton.language as tl
 from ...kernels.common import (LOG2E, block_bits_keep, dropout_keep, implicit_kv_range,
                                length_kv_range, load_pair_tile, load_rows, row_key_end, row_pairs,
                                schedule_phase, schedule_rows, scores_log2, sequence_bounds,
-                               topk_keep, visible_elements)
+                               topk_tile_keep, visible_elements)
 from ...kernels.elementwise import Elementwise, TopkTerm
 from ...kernels.schedule import BlockBits, KernelArgs, TileLists
 from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, packed_operands,
@@ -97,11 +97,10 @@ def _fwd_tiles(
                         bit_slots + (start_n // USER_BK) * stride_sk, block_bits, offs_m, keys,
                         USER_BQ, USER_BK, False)
                 if HAS_TOPK:
-                    top_scores = load_pair_tile(
+                    visible = visible & topk_tile_keep(
                         score_rows + start_n.to(tl.int64) * stride_tn, local_m, offs_n,
-                        stride_tm, stride_tn, rows_left, seqlen_k - start_n, TOPK_FORM[1],
-                        TOPK_FORM[2], EVEN_M, EVEN_N)
-                    visible = visible & topk_keep(top_scores, keys, threshold, last_tie, False)
+                        stride_tm, stride_tn, rows_left, seqlen_k - start_n, keys, threshold,
+                        last_tie, TOPK_FORM, EVEN_M, EVEN_N, False)
                 s = tl.where(visible, s, float("-inf"))
             elif not EVEN_N:
                 # a FULL tile of an explicit schedule may still run past Sk
@@ -232,13 +231,10 @@ def _fwd_kernel(
     bit_slots = BitSlots + off_b * stride_sb + off_h * stride_sh + (start_m // USER_BQ) * stride_sq
     score_rows = TopkScores + off_b.to(tl.int64) * stride_tsb \
         + (off_h // score_head_div).to(tl.int64) * stride_tsh + row0 * stride_tsm
-    threshold = tl.zeros([BLOCK_M], tl.int32)
-    last_tie = threshold
-    if TOPK_FORM[0]:
-        threshold, last_tie = row_pairs(
-            TopkPairs + off_b.to(tl.int64) * stride_tpb
-            + (off_h // pair_head_div).to(tl.int64) * stride_tph + first_q * stride_tpm,
-            stride_tp, offs_m, seqlen_q, stride_tpm)
+    threshold, last_tie = row_pairs(
+        TopkPairs + off_b.to(tl.int64) * stride_tpb
+        + (off_h // pair_head_div).to(tl.int64) * stride_tph + first_q * stride_tpm,
+        stride_tp, offs_m, seqlen_q, stride_tpm, TOPK_FORM[0])
     # rows in length order: row offs_m of this tile is the caller's row caller_m
     caller_m = offs_m
     if ROW_ORDER:
