@@ -158,13 +158,11 @@ def decode_split_kernel(
                                          off_b, off_hk * group, heads, offs_m)
     score_base, score_rows = _keywise_rows(TopkScores, stride_tsb, stride_tsh, stride_tsm,
                                            score_head_div, off_b, off_hk * group, heads, offs_m)
-    threshold = tl.zeros([BLOCK_M], tl.int32)
-    last_tie = threshold
-    if HAS_TOPK:  # each packed row's own pair: its batch, query head and query row
-        threshold, last_tie = row_pairs(
-            TopkPairs + off_b.to(tl.int64) * stride_tpb
-            + (heads // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m, seqlen_q,
-            stride_tpm)
+    # each packed row's own pair: its batch, query head and query row
+    threshold, last_tie = row_pairs(
+        TopkPairs + off_b.to(tl.int64) * stride_tpb
+        + (heads // pair_head_div).to(tl.int64) * stride_tph, stride_tp, offs_m, seqlen_q,
+        stride_tpm, HAS_TOPK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
