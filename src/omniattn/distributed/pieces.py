@@ -211,7 +211,8 @@ def _window_part(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
     own = RelativePredicate(combined.left + shift if combined.left >= 0 else -1,
                             combined.right - shift if combined.right >= 0 else -1)
     block_q, block_k = mask.block_size
-    states = mask.states[..., r0 // block_q:-(-r1 // block_q), a // block_k:-(-b // block_k)]
+    states = _mask_states(mask)[0][..., r0 // block_q:-(-r1 // block_q),
+                                   a // block_k:-(-b // block_k)]
     states = torch.minimum(states, own.classify(r1 - r0, b - a, block_q, block_k,
                                                 device=states.device))
     if not bool((states != HIDDEN).any()):
@@ -221,7 +222,8 @@ def _window_part(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
 
 
 def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
-    if mask.element_bits is None and not _full_blocks_cut(mask):
+    states, window_parts = _mask_states(mask)
+    if window_parts:
         return _window_part(mask, rows, keys, predicate)
     (r0, r1), (a, b) = rows, keys
     block_q, block_k = mask.block_size
@@ -229,7 +231,7 @@ def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
     device = mask.kv_indices.device
     q_blocks = slice(r0 // block_q, -(-r1 // block_q))
     k_blocks = slice(a // block_k, -(-b // block_k))
-    hint = mask.states[..., q_blocks, k_blocks]
+    hint = states[..., q_blocks, k_blocks]
     if not predicate.unbounded:
         outer = predicate.classify(seqlen_q, seqlen_k, block_q, block_k, device=device)
         hint = torch.minimum(hint, outer[q_blocks, k_blocks])
@@ -249,14 +251,24 @@ def _cut_block_mask(mask: BlockMask, rows, keys, predicate) -> BlockMask | None:
                                  element_bits=bits, element_slots=slots)
 
 
-def _full_blocks_cut(mask: BlockMask) -> bool:
-    """Whether a FULL block of the mask is one its own predicate would cut (a PARTIAL block of
-    a part, which applies the predicate, must not hide what the mask shows)."""
-    if mask.predicate.unbounded:
-        return False
-    own = mask.predicate.classify(*mask.seq_lengths, *mask.block_size,
-                                  device=mask.kv_indices.device)
-    return bool(((mask.states == FULL) & (own != FULL)).any())
+# a global BlockMask's dense block states and whether its parts can keep a window of their own,
+# computed once per mask for all its parts
+_whole_masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mask_states(mask: BlockMask) -> tuple[torch.Tensor, bool]:
+    """(mask.states, window_parts): window_parts where the mask's PARTIAL blocks apply its
+    predicate alone (no bitmaps) and none of its FULL blocks is one the predicate would cut (a
+    PARTIAL block of a part, which applies the predicate, must not hide what the mask shows)."""
+    if mask not in _whole_masks:
+        states = mask.states
+        window_parts = mask.element_bits is None
+        if window_parts and not mask.predicate.unbounded:
+            own = mask.predicate.classify(*mask.seq_lengths, *mask.block_size,
+                                          device=mask.kv_indices.device)
+            window_parts = not bool(((states == FULL) & (own != FULL)).any())
+        _whole_masks[mask] = (states, window_parts)
+    return _whole_masks[mask]
 
 
 _head_parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
