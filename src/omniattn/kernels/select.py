@@ -104,33 +104,41 @@ def tile_keys(scores, mask, states, slots, bits, rows, start_n, key_end, rows_le
     return keys, visible
 
 
+# The radix select kernels take grouped arguments: score_layout / mask_layout (batch, head, row,
+# key strides, head divisor); block_layout (the dense block states' (batch, head, q block,
+# k block) strides and head divisor, the bitmap slots' four strides, block rows, block columns,
+# the block mask's left / right bounds); shape (topk, Sq, Sk, output heads, window left,
+# window right, row lengths' batch stride); out_layout (the pairs' batch, head strides); FORM:
+# (HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BLOCK_MASK, HAS_BITS, HAS_ROW_LENS, VARLEN, HAS_SEQUSED,
+# SCORES_ROWS_SHARED, SCORES_COLS_SHARED, MASK_ROWS_SHARED, MASK_COLS_SHARED).
+
+
 @triton.jit
-def _radix_select_kernel(
-    Scores, stride_sb, stride_sh, stride_sm, stride_sn, scores_div,
-    Mask, stride_mb, stride_mh, stride_mm, stride_mn, mask_div,
-    States, stride_bb, stride_bh, stride_bq, stride_bk, block_div,
-    Slots, stride_lb, stride_lh, stride_lq, stride_lk, Bits,
-    block_q, block_k, block_left, block_right,
-    RowLens, stride_rb, CuSeqlensQ, CuSeqlensK, SeqUsed, Threshold, LastTie, stride_tb,
-    stride_th, topk, seqlen_q, seqlen_k, heads_out, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RADIX: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BLOCK_MASK: tl.constexpr, HAS_BITS: tl.constexpr, HAS_ROW_LENS: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr, SCORES_ROWS_SHARED: tl.constexpr,
-    SCORES_COLS_SHARED: tl.constexpr, MASK_ROWS_SHARED: tl.constexpr,
-    MASK_COLS_SHARED: tl.constexpr,
-):
-    """Threshold pairs of BLOCK_M rows of one (batch, output head): program (row tile,
-    batch x heads_out). Input heads: output head h reads head h // *_div. seqlen_q: the rows
-    (1 where no row differs); packed: the longest sequence's, each sequence's from cu_seqlens.
-    HAS_SEQUSED: batch b uses its first SeqUsed[b] keys (causal / window align to them)."""
+def row_tile(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+             score_layout, mask_layout, block_layout, shape, tile_m, FORM: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row tile tile_m of (batch, output head) program_id(1): (off_b, off_h, first_q, seqlen_q,
+    rows, lo, hi, view). rows [BM]: positions in the sequence (of seqlen_q rows, which starts at
+    packed row first_q); key tiles [lo, hi) hold every key a row sees; view: what
+    `visible_keys` reads them through. Output head h reads input head h // *_div; packed: Sq
+    the longest sequence's, each sequence's from cu_seqlens; HAS_SEQUSED: batch b uses its first
+    SeqUsed[b] keys (causal / window align to them)."""
+    HAS_LEFT: tl.constexpr = FORM[0]
+    HAS_RIGHT: tl.constexpr = FORM[1]
+    HAS_ROW_LENS: tl.constexpr = FORM[5]
+    VARLEN: tl.constexpr = FORM[6]
+    HAS_SEQUSED: tl.constexpr = FORM[7]
+    _, seqlen_q, seqlen_k, heads_out, window_left, window_right, stride_rb = shape
+    stride_sb, stride_sh, stride_sm, _, scores_div = score_layout
+    stride_mb, stride_mh, stride_mm, _, mask_div = mask_layout
+    stride_bb, stride_bh, _, _, block_div, stride_lb, stride_lh = block_layout[:7]
     off_b = tl.program_id(1) // heads_out
     off_h = tl.program_id(1) % heads_out
     first_q, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
                                                      seqlen_k, VARLEN)
     seqlen_k = used_keys(SeqUsed, off_b, seqlen_k, HAS_SEQUSED)
     diag_offset = seqlen_k - seqlen_q
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tile_m * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     key_end = tl.where(rows < seqlen_q, seqlen_k, 0)
     if HAS_ROW_LENS:
@@ -146,7 +154,49 @@ def _radix_select_kernel(
         + row_off * stride_mm
     states = States + off_b * stride_bb + (off_h // block_div) * stride_bh
     slots = Slots + off_b * stride_lb + (off_h // block_div) * stride_lh
-    rows_left = seqlen_q - start_m
+    view = (scores, mask, states, slots, Bits, rows, key_end, seqlen_q - start_m, seqlen_q,
+            seqlen_k, diag_offset, window_left, window_right, score_layout, mask_layout,
+            block_layout)
+    return off_b, off_h, first_q, seqlen_q, rows, lo, hi, view
+
+
+@triton.jit
+def visible_keys(view, start_n, FORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tile_keys of key tile start_n for the rows of a row_tile view."""
+    (scores, mask, states, slots, bits, rows, key_end, rows_left, seqlen_q, seqlen_k,
+     diag_offset, window_left, window_right, score_layout, mask_layout, block_layout) = view
+    return tile_keys(scores, mask, states, slots, bits, rows, start_n, key_end, rows_left,
+                     seqlen_q, seqlen_k, diag_offset, window_left, window_right, score_layout[2],
+                     score_layout[3], mask_layout[2], mask_layout[3], block_layout[2],
+                     block_layout[3], block_layout[7], block_layout[8], block_layout[9],
+                     block_layout[10], block_layout[11], block_layout[12], BLOCK_N, FORM[0],
+                     FORM[1], FORM[2], FORM[3], FORM[4], FORM[8], FORM[9], FORM[10], FORM[11])
+
+
+@triton.jit
+def pair_offsets(out_layout, off_b, off_h, first_q, rows):
+    """[BM] offsets of rows' threshold pairs in Threshold / LastTie."""
+    return off_b.to(tl.int64) * out_layout[0] + off_h * out_layout[1] + first_q + rows
+
+
+@triton.jit
+def row_threshold(prefix, selects):
+    """int32 thresholds (predicate.RowThresholds) of uint32 order keys: KEEP_ALL for rows that
+    keep every key they see."""
+    return tl.where(selects, (prefix ^ 0x80000000).to(tl.int32, bitcast=True), _KEEP_ALL)
+
+
+@triton.jit
+def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK,
+                         SeqUsed, Threshold, LastTie, score_layout, mask_layout, block_layout,
+                         out_layout, shape, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, RADIX: tl.constexpr):
+    """Threshold pairs of BLOCK_M rows of one (batch, output head): program (row tile,
+    batch x heads_out); it walks every key its rows see once per digit."""
+    off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = row_tile(
+        Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+        score_layout, mask_layout, block_layout, shape, tl.program_id(0), FORM, BLOCK_M, BLOCK_N)
+    topk = shape[0]
 
     # digit by digit, most significant first: prefix holds the threshold's digits found so
     # far; counts[:, d] is how many visible keys are >= prefix with digit d next (absolute
@@ -162,13 +212,7 @@ def _radix_select_kernel(
         candidates = prefix[:, None] | (digits[None, :] << shift.to(tl.uint32))  # [BM, ND]
         counts = tl.zeros([BLOCK_M, NUM_DIGITS], tl.int32)
         for i in range(hi - lo):
-            keys, visible = tile_keys(
-                scores, mask, states, slots, Bits, rows, (lo + i) * BLOCK_N, key_end, rows_left,
-                seqlen_q, seqlen_k, diag_offset, window_left, window_right, stride_sm,
-                stride_sn, stride_mm, stride_mn, stride_bq, stride_bk, stride_lq, stride_lk,
-                block_q, block_k, block_left, block_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                HAS_MASK, HAS_BLOCK_MASK, HAS_BITS, SCORES_ROWS_SHARED, SCORES_COLS_SHARED,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED)
+            keys, visible = visible_keys(view, (lo + i) * BLOCK_N, FORM, BLOCK_N)
             hits = (keys[:, :, None] >= candidates[:, None, :]) & visible[:, :, None]
             counts += tl.sum(hits.to(tl.int32), 1)
         if shift == 32 - RADIX:  # digit 0 of the first pass counts every visible key
@@ -192,13 +236,7 @@ def _radix_select_kernel(
         seen = tl.zeros([BLOCK_M], tl.int32)
         found = tl.full([BLOCK_M], -1, tl.int32)
         for i in range(hi - lo):
-            keys, visible = tile_keys(
-                scores, mask, states, slots, Bits, rows, (lo + i) * BLOCK_N, key_end, rows_left,
-                seqlen_q, seqlen_k, diag_offset, window_left, window_right, stride_sm,
-                stride_sn, stride_mm, stride_mn, stride_bq, stride_bk, stride_lq, stride_lk,
-                block_q, block_k, block_left, block_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                HAS_MASK, HAS_BLOCK_MASK, HAS_BITS, SCORES_ROWS_SHARED, SCORES_COLS_SHARED,
-                MASK_ROWS_SHARED, MASK_COLS_SHARED)
+            keys, visible = visible_keys(view, (lo + i) * BLOCK_N, FORM, BLOCK_N)
             tied = (visible & (keys == prefix[:, None])).to(tl.int32)
             running = seen[:, None] + tl.cumsum(tied, 1)
             cols = (lo + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,10 +244,8 @@ def _radix_select_kernel(
             found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
             seen += tl.sum(tied, 1)
         last_tie = tl.where(cut, found, last_tie)
-    threshold = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
-    threshold = tl.where(selects, threshold, _KEEP_ALL)
-    out = off_b.to(tl.int64) * stride_tb + off_h * stride_th + first_q + rows
-    tl.store(Threshold + out, threshold, mask=rows < seqlen_q)
+    out = pair_offsets(out_layout, off_b, off_h, first_q, rows)
+    tl.store(Threshold + out, row_threshold(prefix, selects), mask=rows < seqlen_q)
     tl.store(LastTie + out, last_tie, mask=rows < seqlen_q)
 
 
@@ -254,40 +290,40 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         return RowThresholds(threshold, last_tie)
     block_m, block_n, radix = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS) \
         if interpreting() else (RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS)
-    unused = (placeholder(device, torch.float32), 0, 0, 0, 0, 1)
+    unused = (placeholder(device, torch.float32), (0, 0, 0, 0, 1))
     if block_mask is not None:
         states = block_mask.states.to(device)
         bits = block_mask.kernel_bits
-        block_operands = (states, *broadcast_strides(states), _head_div(heads, states))
         slots, slot_strides, bitmaps = bits.operands() if bits is not None \
             else BlockBits.placeholder_operands(device)
-        block_operands += (slots, *slot_strides, bitmaps, *block_mask.block_size,
-                           block_mask.predicate.left, block_mask.predicate.right)
+        block_layout = (*broadcast_strides(states), _head_div(heads, states), *slot_strides,
+                        *block_mask.block_size, block_mask.predicate.left,
+                        block_mask.predicate.right)
     else:
         bits = None
+        states = placeholder(device, torch.int8)
         slots, slot_strides, bitmaps = BlockBits.placeholder_operands(device)
-        block_operands = (placeholder(device, torch.int8), 0, 0, 0, 0, 1, slots, *slot_strides,
-                          bitmaps, 16, 16, -1, -1)
-    row_operands = (placeholder(device), 0) if row_lens is None else \
+        block_layout = (0, 0, 0, 0, 1, *slot_strides, 16, 16, -1, -1)
+    score_tensor, *score_strides = scores.operands()[:-1]
+    mask_tensor, mask_layout = unused if mask is None else (
+        mask.tensor, (*mask.operands()[1:-1], _head_div(heads, mask.tensor)))
+    row_lens_operands = (placeholder(device), 0) if row_lens is None else \
         (row_lens, row_lens.stride(0) if row_lens.dim() == 2 else 0)
-    out_strides = (0 if packed is not None else threshold.stride(0), threshold.stride(1))
-    launch(_radix_select_kernel, (cdiv(num_rows, block_m), threshold.shape[0] * heads
-                                  if packed is None else packed.batch * heads),
-           *scores.operands()[:-1], _head_div(heads, scores.tensor),
-           *(mask.operands()[:-1] if mask is not None else unused[:-1]),
-           _head_div(heads, mask.tensor if mask is not None else None),
-           *block_operands, *row_operands, *packed_operands(packed, device),
-           seqused_k if seqused_k is not None else placeholder(device), threshold, last_tie,
-           *out_strides, topk, num_rows, seqlen_k, heads, args.window_left, args.window_right,
-           BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix, HAS_LEFT=args.has_left,
-           HAS_RIGHT=args.has_right, HAS_MASK=mask is not None,
-           HAS_BLOCK_MASK=block_mask is not None, HAS_BITS=bits is not None,
-           HAS_ROW_LENS=row_lens is not None, VARLEN=packed is not None,
-           HAS_SEQUSED=seqused_k is not None,
-           SCORES_ROWS_SHARED=scores.rows_shared, SCORES_COLS_SHARED=scores.cols_shared,
-           MASK_ROWS_SHARED=mask is not None and mask.rows_shared,
-           MASK_COLS_SHARED=mask is not None and mask.cols_shared,
-           num_warps=1 if interpreting() else RADIX_NUM_WARPS)
+    sources = (score_tensor, mask_tensor, states, slots, bitmaps, row_lens_operands[0],
+               *packed_operands(packed, device),
+               seqused_k if seqused_k is not None else placeholder(device))
+    layouts = ((*score_strides, _head_div(heads, scores.tensor)), mask_layout, block_layout)
+    shape = (topk, num_rows, seqlen_k, heads, args.window_left, args.window_right,
+             row_lens_operands[1])
+    form = (args.has_left, args.has_right, mask is not None, block_mask is not None,
+            bits is not None, row_lens is not None, packed is not None, seqused_k is not None,
+            scores.rows_shared, scores.cols_shared, mask is not None and mask.rows_shared,
+            mask is not None and mask.cols_shared)
+    out_layout = (0 if packed is not None else threshold.stride(0), threshold.stride(1))
+    batch_heads = threshold.shape[0] * heads if packed is None else packed.batch * heads
+    launch(_radix_select_kernel, (cdiv(num_rows, block_m), batch_heads), *sources, threshold,
+           last_tie, *layouts, out_layout, shape, FORM=form, BLOCK_M=block_m, BLOCK_N=block_n,
+           RADIX=radix, num_warps=1 if interpreting() else RADIX_NUM_WARPS)
     return RowThresholds(threshold, last_tie)
 
 
