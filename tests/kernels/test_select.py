@@ -213,12 +213,14 @@ from kernel_resources import launches_compiled
 import omniattn
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels import select
 from omniattn.kernels.select import keep_mask, row_thresholds
 from omniattn.predicate import RowThresholds
 reports, (b, s, h) = [], (2, 256, 4)
 causal = KernelArgs.make(64, True, None, None, 0.0)
+select.sm_count = lambda device: 132  # an H100's: few rows over many keys take the split
 names = {"_radix_select_kernel", "_rank_levels_kernel", "_range_select_kernel",
-         "_keep_mask_kernel"}
+         "_keep_mask_kernel", "_slice_digit_counts_kernel", "_slice_tie_bound_kernel"}
 with launches_compiled(names, reports):
     full = Elementwise.of(torch.randn(b, h, s, s, dtype=torch.bfloat16), h)
     mask = Elementwise.of(torch.ones(b, 1, s, s, dtype=torch.bool), h)
@@ -234,6 +236,11 @@ with launches_compiled(names, reports):
     row_thresholds(64, full, causal, b, s, s, h, h, seqused_k=used)
     pairs = RowThresholds(*(torch.zeros(b, h, s, dtype=torch.int32) for _ in range(2)))
     keep_mask(pairs, key, causal, b, s, s, h, mask)
+    # decoding's one query row over 32k keys, with a key mask and seqused_k
+    decode = Elementwise.of(torch.randn(b, h, 1, 32768, dtype=torch.bfloat16), h)
+    key_mask = Elementwise.of(torch.ones(b, 1, 1, 32768, dtype=torch.bool), h)
+    row_thresholds(4096, decode, KernelArgs.make(64, False, None, None, 0.0), b, 1, 32768, h,
+                   h, mask=key_mask, seqused_k=used)
 for r in reports:
     print(r["kernel"])
 """
@@ -244,8 +251,9 @@ PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "
 def test_kernels_compile_for_hopper():
     """The interpreter types less strictly than the compiler: each kernel (radix select with
     masks, lengths and a block mask with bitmaps; the wavelet build and queries; both selects
-    with seqused_k; the mask writer) compiles for sm_90a. (Untuned: the radix select with a
-    block mask's bitmaps spills 20 bytes at 255 registers.)"""
+    with seqused_k; the split radix select's levels and tie bound, one row over 32k keys; the
+    mask writer) compiles for sm_90a. (Untuned: the radix select with a block mask's bitmaps
+    spills 20 bytes at 255 registers.)"""
     benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(benchmarks)], capture_output=True,
@@ -253,7 +261,7 @@ def test_kernels_compile_for_hopper():
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(set(run.stdout.split())) == [
         "_keep_mask_kernel", "_radix_select_kernel", "_range_select_kernel",
-        "_rank_levels_kernel"]
+        "_rank_levels_kernel", "_slice_digit_counts_kernel", "_slice_tie_bound_kernel"]
 
 
 @pytest.mark.gpu

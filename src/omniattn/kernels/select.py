@@ -24,14 +24,14 @@ import triton.language as tl
 
 from ..predicate import EVERY_TIE, FULL, KEEP_ALL, PARTIAL, RowThresholds, selection_heads
 from ..runtime.launch import launch
-from ..runtime.switches import interpreting
+from ..runtime.switches import interpreting, sm_count
 from .common import (implicit_kv_range, load_pair_tile, sequence_bounds, signed_order_keys,
                      used_keys, visible_elements)
 from .elementwise import Elementwise
 from .schedule import BlockBits, KernelArgs
 from .select_ranges import range_thresholds
 from .sequences import PackedSequences, broadcast_strides, packed_operands, placeholder
-from .sizes import cdiv
+from .sizes import cdiv, next_power_of_2
 
 _FULL, _PARTIAL = tl.constexpr(FULL), tl.constexpr(PARTIAL)
 _KEEP_ALL, _EVERY_TIE = tl.constexpr(KEEP_ALL), tl.constexpr(EVERY_TIE)
@@ -39,6 +39,11 @@ _KEEP_ALL, _EVERY_TIE = tl.constexpr(KEEP_ALL), tl.constexpr(EVERY_TIE)
 # untuned: rows per program, keys per step, digit width (16 candidates per row and step)
 RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS, RADIX_NUM_WARPS = 16, 64, 4, 4
 INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS = 16, 16, 8
+# untuned: the split select's slices walk at least this many key tiles (each program replays
+# the levels' counts before its walk)
+MIN_SLICE_TILES = 4
+# SMs the interpreter's split rule assumes (it has none): few-row tests take the split select
+INTERPRETER_SM_COUNT = 4
 
 
 @triton.jit
@@ -249,6 +254,140 @@ def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
     tl.store(LastTie + out, last_tie, mask=rows < seqlen_q)
 
 
+@triton.jit
+def level_descent(counts, num_levels, topk, RADIX: tl.constexpr):
+    """The split select's digit choices over its first num_levels levels, replayed from their
+    summed counts (counts [BM]: pointers at each row's Counts[row, 0, 0]; Counts[row, l, d]:
+    the visible keys in the bucket of level l with digit d next). Each level takes the largest
+    digit with topk keys at or above it, as _radix_select_kernel does. Returns (prefix uint32
+    [BM]: the digits chosen; above [BM]: the keys above prefix's bucket; chosen [BM]: the keys
+    with the last level's chosen digit; n_visible [BM]: level 0's keys, all a row sees)."""
+    NUM_DIGITS: tl.constexpr = 1 << RADIX
+    digits = tl.arange(0, NUM_DIGITS)
+    prefix = tl.zeros(counts.shape, tl.uint32)
+    above = tl.zeros(counts.shape, tl.int32)
+    chosen = tl.zeros(counts.shape, tl.int32)
+    n_visible = tl.zeros(counts.shape, tl.int32)
+    shift = tl.full([], 32 - RADIX, tl.int32)
+    for level in range(num_levels):
+        bucket = tl.load(counts[:, None] + level * NUM_DIGITS + digits[None, :])
+        n_visible = tl.where(level == 0, tl.sum(bucket, 1), n_visible)
+        # keys at or above each digit: those above the bucket, then the bucket's from the top
+        at_least = above[:, None] + tl.sum(bucket, 1)[:, None] - tl.cumsum(bucket, 1) + bucket
+        digit = tl.maximum(tl.sum((at_least >= topk).to(tl.int32), 1) - 1, 0)
+        chosen = tl.sum(tl.where(digits[None, :] == digit[:, None], bucket, 0), 1)
+        above += tl.sum(tl.where(digits[None, :] > digit[:, None], bucket, 0), 1)
+        prefix = prefix | (digit.to(tl.uint32) << shift.to(tl.uint32))
+        shift -= RADIX
+    return prefix, above, chosen, n_visible
+
+
+@triton.jit
+def key_slice_tiles(lo, hi, key_slice, num_splits):
+    """[first, last) key tiles of slice key_slice of [lo, hi) cut into num_splits (empty past
+    the end)."""
+    per_slice = tl.cdiv(tl.maximum(hi - lo, 0), num_splits)
+    first = lo + key_slice * per_slice
+    return first, tl.maximum(tl.minimum(first + per_slice, hi), first)
+
+
+@triton.jit(do_not_specialize=["level"])
+def _slice_digit_counts_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
+                               CuSeqlensK, SeqUsed, Counts, SliceCounts, score_layout,
+                               mask_layout, block_layout, shape, num_splits, level,
+                               FORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, RADIX: tl.constexpr):
+    """Level `level` of the split radix select: program (row tile x key slice, batch x
+    heads_out) counts, for each row, the visible keys of its slice in the bucket the earlier
+    levels chose, by their next digit, and adds them to Counts (batch x heads_out, row tiles x
+    BM, levels, digits), zeroed before level 0. The last level also stores each slice's own
+    counts in SliceCounts (batch x heads_out, row tiles x BM, num_splits, digits): its
+    ties at the threshold, which place the tie bound."""
+    tile_m = tl.program_id(0) // num_splits
+    key_slice = tl.program_id(0) % num_splits
+    _, _, _, _, rows, lo, hi, view = row_tile(
+        Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+        score_layout, mask_layout, block_layout, shape, tile_m, FORM, BLOCK_M, BLOCK_N)
+    topk = shape[0]
+    NUM_DIGITS: tl.constexpr = 1 << RADIX
+    NUM_LEVELS: tl.constexpr = 32 // RADIX
+    row_index = (tl.program_id(1) * (tl.num_programs(0) // num_splits) * BLOCK_M + rows) \
+        .to(tl.int64)
+    counts = Counts + row_index * NUM_LEVELS * NUM_DIGITS
+    prefix, _, _, n_visible = level_descent(counts, level, topk, RADIX)
+    # rows seeing at most topk keys keep them all: a tile of only those stops after level 0
+    if (level == 0) | (tl.max(n_visible, 0) > topk):
+        digits = tl.arange(0, NUM_DIGITS)
+        shift = (tl.zeros([], tl.int32) + 32 - RADIX * (level + 1)).to(tl.uint32)
+        bucket = (prefix >> shift)[:, None] | digits[None, :].to(tl.uint32)  # [BM, ND]
+        level_counts = tl.zeros([BLOCK_M, NUM_DIGITS], tl.int32)
+        first, last = key_slice_tiles(lo, hi, key_slice, num_splits)
+        for i in range(last - first):
+            keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
+            hits = ((keys >> shift)[:, :, None] == bucket[:, None, :]) & visible[:, :, None]
+            level_counts += tl.sum(hits.to(tl.int32), 1)
+        # rows past the last add zeros (they see no key) to rows of their own: no mask
+        tl.atomic_add(counts[:, None] + level * NUM_DIGITS + digits[None, :], level_counts,
+                      sem="relaxed")
+        if level == NUM_LEVELS - 1:
+            slice_counts = SliceCounts + (row_index * num_splits + key_slice) * NUM_DIGITS
+            tl.store(slice_counts[:, None] + digits[None, :], level_counts)
+
+
+@triton.jit
+def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK,
+                            SeqUsed, Counts, SliceCounts, Threshold, LastTie, score_layout,
+                            mask_layout, block_layout, out_layout, shape, num_splits,
+                            FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            RADIX: tl.constexpr):
+    """The split radix select's threshold pairs, from every level's counts: program (row tile
+    x key slice, batch x heads_out). Slice 0 writes its rows' thresholds, and their tie bounds
+    where no tie at the threshold is cut; the slice holding a cut row's last kept tie (the
+    slices' own tie counts before it fall short of it) finds it among its keys."""
+    tile_m = tl.program_id(0) // num_splits
+    key_slice = tl.program_id(0) % num_splits
+    off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = row_tile(
+        Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+        score_layout, mask_layout, block_layout, shape, tile_m, FORM, BLOCK_M, BLOCK_N)
+    topk = shape[0]
+    NUM_DIGITS: tl.constexpr = 1 << RADIX
+    NUM_LEVELS: tl.constexpr = 32 // RADIX
+    row_index = (tl.program_id(1) * (tl.num_programs(0) // num_splits) * BLOCK_M + rows) \
+        .to(tl.int64)
+    prefix, above, ties, n_visible = level_descent(Counts + row_index * NUM_LEVELS * NUM_DIGITS,
+                                                   NUM_LEVELS, topk, RADIX)
+    selects = n_visible > topk
+    needed = topk - above
+    cut = selects & (ties > needed)
+    inside = rows < seqlen_q
+    out = pair_offsets(out_layout, off_b, off_h, first_q, rows)
+    if key_slice == 0:
+        tl.store(Threshold + out, row_threshold(prefix, selects), mask=inside)
+        tl.store(LastTie + out, tl.full([BLOCK_M], _EVERY_TIE, tl.int32), mask=inside & ~cut)
+    if tl.max(cut.to(tl.int32), 0) > 0:
+        # ties at the threshold in each slice: its count of the last level's chosen digit
+        slice_ties = SliceCounts + row_index * num_splits * NUM_DIGITS \
+            + (prefix & (NUM_DIGITS - 1)).to(tl.int64)
+        before = tl.zeros([BLOCK_M], tl.int32)
+        for other in range(key_slice):
+            before += tl.load(slice_ties + other * NUM_DIGITS)
+        own = tl.load(slice_ties + key_slice * NUM_DIGITS)
+        holds = cut & (before < needed) & (needed <= before + own)
+        if tl.max(holds.to(tl.int32), 0) > 0:
+            seen = before
+            found = tl.full([BLOCK_M], -1, tl.int32)
+            first, last = key_slice_tiles(lo, hi, key_slice, num_splits)
+            for i in range(last - first):
+                keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
+                tied = (visible & (keys == prefix[:, None])).to(tl.int32)
+                running = seen[:, None] + tl.cumsum(tied, 1)
+                cols = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                hit = (tied != 0) & (running == needed[:, None])
+                found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
+                seen += tl.sum(tied, 1)
+            tl.store(LastTie + out, found, mask=inside & holds)
+
+
 def _head_div(heads_out: int, t: torch.Tensor | None) -> int:
     """Output head h reads head h // div of a (B|1, Hm, ...) input (Hm divides heads_out)."""
     return heads_out if t is None else heads_out // t.shape[1]
@@ -288,8 +427,7 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
                          threshold, last_tie, seqused_k)
         return RowThresholds(threshold, last_tie)
-    block_m, block_n, radix = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS) \
-        if interpreting() else (RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS)
+    block_m, block_n, radix = radix_tiles(num_rows)
     unused = (placeholder(device, torch.float32), (0, 0, 0, 0, 1))
     if block_mask is not None:
         states = block_mask.states.to(device)
@@ -321,10 +459,49 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
             mask is not None and mask.cols_shared)
     out_layout = (0 if packed is not None else threshold.stride(0), threshold.stride(1))
     batch_heads = threshold.shape[0] * heads if packed is None else packed.batch * heads
-    launch(_radix_select_kernel, (cdiv(num_rows, block_m), batch_heads), *sources, threshold,
-           last_tie, *layouts, out_layout, shape, FORM=form, BLOCK_M=block_m, BLOCK_N=block_n,
-           RADIX=radix, num_warps=1 if interpreting() else RADIX_NUM_WARPS)
+    row_tiles = cdiv(num_rows, block_m)
+    splits = key_splits(row_tiles * batch_heads, cdiv(seqlen_k, block_n),
+                        INTERPRETER_SM_COUNT if interpreting() else sm_count(device))
+    tiles = dict(FORM=form, BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix,
+                 num_warps=1 if interpreting() else RADIX_NUM_WARPS)
+    if splits == 1:
+        launch(_radix_select_kernel, (row_tiles, batch_heads), *sources, threshold, last_tie,
+               *layouts, out_layout, shape, **tiles)
+        return RowThresholds(threshold, last_tie)
+    # the split select: per level, each slice adds its counts to its rows'; then the pairs
+    num_levels, num_digits = 32 // radix, 1 << radix
+    counts = torch.zeros(batch_heads, row_tiles * block_m, num_levels, num_digits,
+                         dtype=torch.int32, device=device)
+    slice_counts = torch.empty(batch_heads, row_tiles * block_m, splits, num_digits,
+                               dtype=torch.int32, device=device)
+    grid = (row_tiles * splits, batch_heads)
+    for level in range(num_levels):
+        launch(_slice_digit_counts_kernel, grid, *sources, counts, slice_counts, *layouts, shape,
+               splits, level, **tiles)
+    launch(_slice_tie_bound_kernel, grid, *sources, counts, slice_counts, threshold, last_tie,
+           *layouts, out_layout, shape, splits, **tiles)
     return RowThresholds(threshold, last_tie)
+
+
+def radix_tiles(num_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, digit bits) of the radix select: no more rows per program than the
+    rows there are (one row per (batch, head), as a decode step's, left 15 of 16 idle), the
+    keys per step making up the rest of the tile."""
+    block_m, block_n, radix = (INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS) \
+        if interpreting() else (RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS)
+    rows = min(block_m, next_power_of_2(num_rows))
+    return rows, block_m * block_n // rows, radix
+
+
+def key_splits(row_programs: int, key_tiles: int, sms: int) -> int:
+    """Slices each row tile's keys are cut into, a program each: where the row tiles alone
+    leave SMs idle (fewer than two programs per SM: decoding's few rows, each walking all its
+    keys serially), enough for two per SM, of at least MIN_SLICE_TILES key tiles; 1 (the
+    single-program select) where they fill the GPU, as in prefill: splitting would add a
+    launch per level and the counts' traffic for no more parallelism."""
+    if row_programs >= 2 * sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, row_programs), key_tiles // MIN_SLICE_TILES))
 
 
 @triton.jit
