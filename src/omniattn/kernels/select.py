@@ -9,6 +9,16 @@ Two kernels, by the scores' form:
   where ties at the threshold are cut. Any scores and masks: causal / window / per-row lengths /
   packed sequences are applied in-kernel, attn_mask and a block mask are read. Work: the visible
   elements times (32 / RADIX_BITS + 1).
+  Split (`_slice_digit_counts_kernel`, `_slice_tie_bound_kernel`) where the row tiles are too
+  few to fill the GPU (decoding: one row per (batch, head)): each row tile's key tiles are cut
+  into slices, a program each. Per digit, one launch: every slice counts its keys in the
+  bucket the earlier digits chose, by next digit, and adds them to the rows' counts (int32
+  atomics into (rows, 32 / RADIX_BITS, 2^RADIX_BITS)); each program replays the earlier
+  digits' choices from those sums. Then one launch for the pairs: the last digit's counts,
+  kept per slice too, give each slice's ties at the threshold, so only the slice holding a
+  row's last kept tie walks its keys again. The same pairs; work: the visible elements times
+  32 / RADIX_BITS, plus a slice; memory: (rows x (32 / RADIX_BITS + slices) x 2^RADIX_BITS)
+  int32, the rows padded to whole row tiles.
 - range select (kernels/select_ranges.py): per-key scores (one row for every query) whose rows
   see contiguous key ranges (causal, window, lengths, packed sequences, a per-key mask): a
   wavelet matrix over the keys' ranks answers each row in O(log Sk), where rescanning every
@@ -192,6 +202,24 @@ def row_threshold(prefix, selects):
 
 
 @triton.jit
+def needed_tie(view, first, last, prefix, needed, seen, FORM: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """[BM] the index of each row's needed-th visible key scoring its threshold (prefix, uint32
+    [BM]), counting `seen` [BM] such keys before key tile `first` and walking tiles [first,
+    last); -1 where it lies beyond."""
+    found = tl.full(needed.shape, -1, tl.int32)
+    for i in range(last - first):
+        keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
+        tied = (visible & (keys == prefix[:, None])).to(tl.int32)
+        running = seen[:, None] + tl.cumsum(tied, 1)
+        cols = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        hit = (tied != 0) & (running == needed[:, None])
+        found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
+        seen += tl.sum(tied, 1)
+    return found
+
+
+@triton.jit
 def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK,
                          SeqUsed, Threshold, LastTie, score_layout, mask_layout, block_layout,
                          out_layout, shape, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -238,16 +266,8 @@ def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
     cut = selects & (at_least - above > needed)
     last_tie = tl.full([BLOCK_M], _EVERY_TIE, tl.int32)
     if tl.max(cut.to(tl.int32), 0) > 0:
-        seen = tl.zeros([BLOCK_M], tl.int32)
-        found = tl.full([BLOCK_M], -1, tl.int32)
-        for i in range(hi - lo):
-            keys, visible = visible_keys(view, (lo + i) * BLOCK_N, FORM, BLOCK_N)
-            tied = (visible & (keys == prefix[:, None])).to(tl.int32)
-            running = seen[:, None] + tl.cumsum(tied, 1)
-            cols = (lo + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-            hit = (tied != 0) & (running == needed[:, None])
-            found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
-            seen += tl.sum(tied, 1)
+        found = needed_tie(view, lo, hi, prefix, needed, tl.zeros([BLOCK_M], tl.int32), FORM,
+                           BLOCK_N)
         last_tie = tl.where(cut, found, last_tie)
     out = pair_offsets(out_layout, off_b, off_h, first_q, rows)
     tl.store(Threshold + out, row_threshold(prefix, selects), mask=rows < seqlen_q)
@@ -374,17 +394,8 @@ def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlen
         own = tl.load(slice_ties + key_slice * NUM_DIGITS)
         holds = cut & (before < needed) & (needed <= before + own)
         if tl.max(holds.to(tl.int32), 0) > 0:
-            seen = before
-            found = tl.full([BLOCK_M], -1, tl.int32)
             first, last = key_slice_tiles(lo, hi, key_slice, num_splits)
-            for i in range(last - first):
-                keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
-                tied = (visible & (keys == prefix[:, None])).to(tl.int32)
-                running = seen[:, None] + tl.cumsum(tied, 1)
-                cols = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-                hit = (tied != 0) & (running == needed[:, None])
-                found = tl.maximum(found, tl.max(tl.where(hit, cols[None, :], -1), 1))
-                seen += tl.sum(tied, 1)
+            found = needed_tie(view, first, last, prefix, needed, before, FORM, BLOCK_N)
             tl.store(LastTie + out, found, mask=inside & holds)
 
 
