@@ -115,6 +115,132 @@ def test_radix_select_reads_block_masks(bitmaps):
     assert_same_pairs(got, expected)
 
 
+# (name, B, Sq, Sk, H, Hk, topk, score shape, options): few rows over many keys, the split
+# radix select (integer scores: ties at the threshold are cut in most rows)
+SPLIT_CASES = [
+    ("one-row-per-head", 2, 1, 1500, 4, 2, 300, (2, 2, 1, 1500), {}),
+    ("topk-1", 1, 1, 1200, 2, 2, 1, (1, 2, 1, 1200), {}),
+    ("causal-fp16", 1, 3, 1400, 2, 1, 60, (1, 1, 3, 1400), dict(causal=True, dtype="fp16")),
+    ("window-lengths", 2, 4, 1300, 2, 2, 200, (2, 2, 4, 1300),
+     dict(window=(700, 3), lengths=True)),
+    ("key-mask-topk-past-visible", 1, 1, 1200, 2, 2, 1000, (1, 2, 1, 1200),
+     dict(mask=(1, 1, 1, 1200))),
+    ("row-mask", 1, 2, 1200, 2, 2, 500, (1, 2, 1, 1200), dict(mask=(1, 2, 2, 1200))),
+]
+
+
+def forced_splits(monkeypatch, splits, select_pairs):
+    """(the pairs with each row tile's keys cut into `splits` slices, the single-program
+    select's pairs) of select_pairs()."""
+    monkeypatch.setattr(select, "key_splits", lambda *args: splits)
+    split = select_pairs()
+    monkeypatch.setattr(select, "key_splits", lambda *args: 1)
+    return split, select_pairs()
+
+
+@pytest.mark.parametrize("splits", [3, 12], ids=["3-slices", "12-slices"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c[0])
+def test_split_select_matches_the_reference(monkeypatch, case, splits):
+    """The same pairs as the reference and as the single-program select, with 3 slices of
+    several key tiles and with 12 (more than some row tiles have key tiles: slices empty)."""
+    name, batch, seqlen_q, seqlen_k, heads, heads_k, topk, shape, options = case
+    seed = 80 + SPLIT_CASES.index(case)
+    dtype = torch.float16 if options.get("dtype") == "fp16" else torch.float32
+    generator = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(options["mask"], generator=generator) > 0.3).to(DEVICE) \
+        if "mask" in options else None
+    row_lens = lengths(batch, seqlen_q, seqlen_k, seed) if options.get("lengths") else None
+    scores = scores_with_ties(shape, seed, dtype)
+    split, single = forced_splits(monkeypatch, splits, lambda: run_both(
+        batch, seqlen_q, seqlen_k, heads, heads_k, topk, scores, options.get("causal", False),
+        options.get("window"), mask, row_lens))
+    assert_same_pairs(split[0], split[1])
+    assert_same_pairs(split[0], single[0])
+
+
+def test_split_select_with_its_gpu_digits(monkeypatch):
+    """4-bit digits (8 levels, 16 counts per row and level), as on the GPU."""
+    monkeypatch.setattr(select, "INTERPRETER_RADIX_BITS", 4)
+    monkeypatch.setattr(select, "key_splits", lambda *args: 5)
+    got, expected = run_both(2, 2, 1000, 2, 2, 150, scores_with_ties((2, 2, 2, 1000), 90),
+                             window=(600, 0), row_lens=lengths(2, 2, 1000, 90))
+    assert_same_pairs(got, expected)
+
+
+@pytest.mark.parametrize("bitmaps", [False, True])
+def test_split_select_reads_block_masks(monkeypatch, bitmaps):
+    batch, seqlen_q, seqlen_k, heads = 1, 2, 1200, 2
+    if bitmaps:
+        block_mask = omniattn.block_mask_from_predicate(
+            lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0, 1, 1, seqlen_q, seqlen_k,
+            block_size=16, device=DEVICE)
+    else:
+        block_mask = random_block_mask(batch, heads, seqlen_q, seqlen_k, 16, 0.6, 91)
+    monkeypatch.setattr(select, "key_splits", lambda *args: 6)
+    got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads, 250,
+                             scores_with_ties((batch, 1, 1, seqlen_k), 91), causal=bitmaps,
+                             block_mask=block_mask)
+    assert_same_pairs(got, expected)
+
+
+def test_split_select_of_packed_sequences(monkeypatch):
+    """Packed rows (per-row scores), an empty sequence and one seeing fewer keys than topk
+    among them."""
+    cu_q = torch.tensor([0, 2, 2, 3, 4], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 900, 1000, 1100, 2300], dtype=torch.int32, device=DEVICE)
+    packed = PackedSequences(cu_q, cu_k, 2, 1200)
+    scores = scores_with_ties((4, 2, 1200), 92)
+    q, k = torch.empty(4, 2, 8, device=DEVICE), torch.empty(2300, 2, 8, device=DEVICE)
+    expected = topk_thresholds(q, k, 150, scores, causal=True, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k)
+    split, single = forced_splits(monkeypatch, 4, lambda: row_thresholds(
+        150, Elementwise.of(scores, 2), KernelArgs.make(8, True, None, None, 0.0), 4, 2, 1200,
+        2, 2, packed=packed, total_q=4))
+    assert_same_pairs(split, expected)
+    assert_same_pairs(split, single)
+
+
+def test_split_select_of_used_keys(monkeypatch):
+    """seqused_k, one row per (batch, head): each sequence's pairs are the reference's of its
+    used keys alone (all of them, fewer than topk, none)."""
+    batch, seqlen_k, heads, heads_k, topk = 4, 1500, 4, 2, 200
+    used = torch.tensor([1500, 150, 1100, 0], dtype=torch.int32, device=DEVICE)
+    scores = scores_with_ties((batch, heads_k, 1, seqlen_k), 93)
+    monkeypatch.setattr(select, "key_splits", lambda *args: 7)
+    got = row_thresholds(topk, Elementwise.of(scores, heads),
+                         KernelArgs.make(8, False, None, None, 0.0), batch, 1, seqlen_k, heads,
+                         heads_k, seqused_k=used)
+    for b, n in enumerate(used.tolist()):
+        q = torch.empty(1, 1, heads, 8, device=DEVICE)
+        k = torch.empty(1, n, heads_k, 8, device=DEVICE)
+        expected = topk_thresholds(q, k, topk, scores[b:b + 1, ..., :n])
+        assert_same_pairs(type(got)(got.threshold[b:b + 1], got.last_tie[b:b + 1]), expected)
+
+
+def test_the_split_rule():
+    """Slices for two programs per SM where the row tiles leave SMs idle, MIN_SLICE_TILES key
+    tiles or more each; none where the row tiles fill the GPU or the keys are few. An H100's
+    decoding shapes (1024-key steps): B1 x 8 heads x 128k keys, B8 x 32k."""
+    assert select.key_splits(8, 128, 132) == 32
+    assert select.key_splits(64, 32, 132) == 5
+    assert select.key_splits(264, 4096, 132) == 1
+    assert select.key_splits(8, 7, 132) == 1
+    # row tiles no taller than the rows, as many elements
+    (rows, keys, _), (all_rows, all_keys, _) = select.radix_tiles(3), select.radix_tiles(1000)
+    assert rows == 4 and rows * keys == all_rows * all_keys
+
+
+def test_few_rows_take_the_split(monkeypatch):
+    """Under the interpreter's stand-in SM count a decoding shape splits: its launches."""
+    launched = []
+    monkeypatch.setattr(select, "launch", lambda kernel, *args, **kwargs: launched.append(
+        kernel.fn.__name__))
+    row_thresholds(100, Elementwise.of(torch.zeros(1, 2, 1, 3000, device=DEVICE), 2),
+                   KernelArgs.make(8, False, None, None, 0.0), 1, 1, 3000, 2, 2)
+    levels = 32 // select.INTERPRETER_RADIX_BITS
+    assert launched == ["_slice_digit_counts_kernel"] * levels + ["_slice_tie_bound_kernel"]
+
+
 # (name, B, Sq, Sk, H, Hk, topk, score shape, options): per-key scores over key ranges
 RANGE_CASES = [
     ("causal", 2, 21, 37, 4, 2, 5, (2, 2, 1, 37), dict(causal=True)),
@@ -276,6 +402,41 @@ def test_gpu_thresholds_at_tile_sizes(form):
     got, expected = run_both(batch, seqlen, seqlen, heads, heads, 300, scores, causal=True,
                              row_lens=lengths(batch, seqlen, seqlen, 60))
     assert_same_pairs(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("seqlen_k", [50000, 131072])
+def test_gpu_split_select_of_decoding_rows(monkeypatch, seqlen_k):
+    """A decode step's rows (one per (batch, KV head)) over many keys take the split select on
+    the GPU's own SM count: bf16 scores with ties, a key mask and seqused_k; the pairs of the
+    single-program select and, per sequence, of the reference."""
+    batch, heads, heads_k, topk = 2, 8, 4, 4096
+    scores = scores_with_ties((batch, heads_k, 1, seqlen_k), 61, torch.bfloat16)
+    key_mask = torch.rand(batch, 1, 1, seqlen_k, generator=torch.Generator().manual_seed(61)) > 0.1
+    used = torch.tensor([seqlen_k - 5, 3000], dtype=torch.int32, device="cuda")
+    launched = []
+    launch = select.launch
+    monkeypatch.setattr(select, "launch", lambda kernel, *args, **kwargs: (
+        launched.append(kernel.fn.__name__), launch(kernel, *args, **kwargs)))
+
+    def select_pairs():
+        return row_thresholds(topk, Elementwise.of(scores, heads),
+                              KernelArgs.make(128, False, None, None, 0.0), batch, 1, seqlen_k,
+                              heads, heads_k, mask=Elementwise.of(key_mask.cuda(), heads),
+                              seqused_k=used)
+
+    split = select_pairs()
+    assert "_slice_tie_bound_kernel" in launched
+    monkeypatch.setattr(select, "key_splits", lambda *args: 1)
+    assert_same_pairs(split, select_pairs())
+    for b, n in enumerate(used.tolist()):
+        q = torch.empty(1, 1, heads, 8, device="cuda")
+        k = torch.empty(1, n, heads_k, 8, device="cuda")
+        expected = topk_thresholds(q, k, topk, scores[b:b + 1, ..., :n],
+                                   attn_mask=key_mask[b:b + 1, ..., :n].cuda())
+        assert_same_pairs(type(split)(split.threshold[b:b + 1], split.last_tie[b:b + 1]),
+                          expected)
 
 
 @pytest.mark.gpu
