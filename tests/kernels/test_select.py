@@ -16,7 +16,7 @@ import triton
 
 import omniattn
 from helpers import DEVICE, GPU, random_block_mask
-from omniattn.kernels import select
+from omniattn.kernels import select, select_ranges
 from omniattn.kernels.elementwise import Elementwise
 from omniattn.kernels.schedule import KernelArgs
 from omniattn.kernels.select import keep_mask, row_thresholds
@@ -126,6 +126,7 @@ SPLIT_CASES = [
     ("key-mask-topk-past-visible", 1, 1, 1200, 2, 2, 1000, (1, 2, 1, 1200),
      dict(mask=(1, 1, 1, 1200))),
     ("row-mask", 1, 2, 1200, 2, 2, 500, (1, 2, 1, 1200), dict(mask=(1, 2, 2, 1200))),
+    ("per-key-causal-window", 1, 5, 1300, 2, 2, 90, (1, 2, 1, 1300), dict(window=(1000, 0))),
 ]
 
 
@@ -230,13 +231,15 @@ def test_the_split_rule():
     assert rows == 4 and rows * keys == all_rows * all_keys
 
 
-def test_few_rows_take_the_split(monkeypatch):
-    """Under the interpreter's stand-in SM count a decoding shape splits: its launches."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_few_rows_take_the_split(monkeypatch, causal):
+    """Under the interpreter's stand-in SM count a decoding shape splits, per-key scores under
+    causal too (at most RANGE_SELECT_ROWS rows): its launches."""
     launched = []
     monkeypatch.setattr(select, "launch", lambda kernel, *args, **kwargs: launched.append(
         kernel.fn.__name__))
     row_thresholds(100, Elementwise.of(torch.zeros(1, 2, 1, 3000, device=DEVICE), 2),
-                   KernelArgs.make(8, False, None, None, 0.0), 1, 1, 3000, 2, 2)
+                   KernelArgs.make(8, causal, None, None, 0.0), 1, 1, 3000, 2, 2)
     levels = 32 // select.INTERPRETER_RADIX_BITS
     assert launched == ["_slice_digit_counts_kernel"] * levels + ["_slice_tie_bound_kernel"]
 
@@ -246,15 +249,26 @@ RANGE_CASES = [
     ("causal", 2, 21, 37, 4, 2, 5, (2, 2, 1, 37), dict(causal=True)),
     ("causal-sk-below-sq", 1, 30, 17, 2, 2, 3, (1, 2, 1, 17), dict(causal=True)),
     ("window", 2, 19, 19, 2, 2, 4, (2, 1, 1, 19), dict(window=(7, 0))),
-    ("lengths-key-mask", 2, 15, 33, 2, 1, 3, (2, 1, 1, 33), dict(lengths=True,
+    ("lengths-key-mask", 2, 17, 33, 2, 1, 3, (2, 1, 1, 33), dict(lengths=True,
                                                                 mask=(2, 2, 1, 33))),
-    ("causal-mqa-fp16", 1, 16, 16, 4, 1, 1, (1, 1, 1, 16), dict(causal=True, dtype="fp16")),
+    ("causal-mqa-fp16", 1, 17, 17, 4, 1, 1, (1, 1, 1, 17), dict(causal=True, dtype="fp16")),
 ]
 
 
+def range_select_launches(monkeypatch):
+    """The names of the kernels range_thresholds launches from here on."""
+    launched = []
+    launch = select_ranges.launch
+    monkeypatch.setattr(select_ranges, "launch", lambda kernel, *args, **kwargs: (
+        launched.append(kernel.fn.__name__), launch(kernel, *args, **kwargs)))
+    return launched
+
+
 @pytest.mark.parametrize("case", RANGE_CASES, ids=lambda c: c[0])
-def test_range_select_matches_the_reference(case):
+def test_range_select_matches_the_reference(monkeypatch, case):
+    """More rows than a radix row tile (RANGE_SELECT_ROWS): the range select."""
     name, batch, seqlen_q, seqlen_k, heads, heads_k, topk, shape, options = case
+    launched = range_select_launches(monkeypatch)
     seed = 20 + RANGE_CASES.index(case)
     dtype = torch.float16 if options.get("dtype") == "fp16" else torch.float32
     mask = torch.rand(options["mask"], generator=torch.Generator().manual_seed(seed)) > 0.3 \
@@ -265,23 +279,26 @@ def test_range_select_matches_the_reference(case):
                              lengths(batch, seqlen_q, seqlen_k, seed)
                              if options.get("lengths") else None)
     assert_same_pairs(got, expected)
+    assert "_range_select_kernel" in launched
 
 
 @pytest.mark.parametrize("per_key", [True, False], ids=["ranges", "radix"])
-def test_packed_sequences(per_key):
+def test_packed_sequences(monkeypatch, per_key):
     """Varlen (an empty sequence among them): per-key packed scores (1, Hk, max_k) take the
     range select, per-row ones (total_q, H, max_k) the radix select."""
-    cu_q = torch.tensor([0, 6, 6, 19], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 9, 20, 33], dtype=torch.int32, device=DEVICE)
-    packed = PackedSequences(cu_q, cu_k, 13, 13)
-    scores = scores_with_ties((1, 2, 13) if per_key else (19, 4, 13), 30)
-    row_lens = torch.tensor([9, 0, 3, 9, 5, 1] + [11] * 13, dtype=torch.int32, device=DEVICE)
-    q, k = torch.empty(19, 4, 8, device=DEVICE), torch.empty(33, 2, 8, device=DEVICE)
+    cu_q = torch.tensor([0, 6, 6, 23], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 9, 20, 37], dtype=torch.int32, device=DEVICE)
+    packed = PackedSequences(cu_q, cu_k, 17, 17)
+    scores = scores_with_ties((1, 2, 17) if per_key else (23, 4, 17), 30)
+    row_lens = torch.tensor([9, 0, 3, 9, 5, 1] + [11] * 17, dtype=torch.int32, device=DEVICE)
+    q, k = torch.empty(23, 4, 8, device=DEVICE), torch.empty(37, 2, 8, device=DEVICE)
     expected = topk_thresholds(q, k, 3, scores, causal=True, seqlens_k_per_row=row_lens,
                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    launched = range_select_launches(monkeypatch)
     got = row_thresholds(3, Elementwise.of(scores, 4), KernelArgs.make(8, True, None, None, 0.0),
-                         3, 13, 13, 4, 2, row_lens=row_lens, packed=packed, total_q=19)
+                         3, 17, 17, 4, 2, row_lens=row_lens, packed=packed, total_q=23)
     assert_same_pairs(got, expected)
+    assert ("_range_select_kernel" in launched) == per_key
 
 
 @pytest.mark.parametrize("window", [None, (6, 1)], ids=["causal", "window"])
@@ -290,7 +307,7 @@ def test_used_keys_of_each_sequence(per_key, window):
     """seqused_k (split-KV decoding's partly used caches): sequence b selects among its first
     seqused_k[b] keys, causal / window aligned to them: each sequence's pairs are the
     reference's of that sequence alone (all its keys, fewer than topk, none)."""
-    batch, seqlen_q, seqlen_k, heads, heads_k, topk = 4, 5, 40, 4, 2, 4
+    batch, seqlen_q, seqlen_k, heads, heads_k, topk = 4, 17, 40, 4, 2, 4
     used = torch.tensor([40, 3, 23, 0], dtype=torch.int32, device=DEVICE)
     shape = (batch, heads_k, 1, seqlen_k) if per_key else (batch, heads, seqlen_q, seqlen_k)
     scores = scores_with_ties(shape, 70)

@@ -49,6 +49,8 @@ _KEEP_ALL, _EVERY_TIE = tl.constexpr(KEEP_ALL), tl.constexpr(EVERY_TIE)
 # untuned: rows per program, keys per step, digit width (16 candidates per row and step)
 RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS, RADIX_NUM_WARPS = 16, 64, 4, 4
 INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS = 16, 16, 8
+# per-key scores of more rows than one radix row tile select over key ranges (row_thresholds)
+RANGE_SELECT_ROWS = RADIX_BLOCK_M
 # untuned: the split select's slices walk at least this many key tiles (each program replays
 # the levels' counts before its walk)
 MIN_SLICE_TILES = 4
@@ -433,8 +435,12 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     last_tie = torch.full(out_shape, EVERY_TIE, dtype=torch.int32, device=device)
     if topk >= seqlen_k or threshold.numel() == 0:
         return RowThresholds(threshold, last_tie)
+    # per-key scores of more rows than a radix row tile holds take the range select; fewer
+    # (decoding's) take the radix select, split over the GPU: it reads the keys once per digit
+    # for all of them, where the range select would sort them and build a wavelet matrix's
+    # log2(Sk) levels in one program per key array
     if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
-            and (rows_differ or packed is not None):
+            and (rows_differ or packed is not None) and seqlen_q > RANGE_SELECT_ROWS:
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
                          threshold, last_tie, seqused_k)
         return RowThresholds(threshold, last_tie)
