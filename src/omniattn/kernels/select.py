@@ -49,7 +49,8 @@ _KEEP_ALL, _EVERY_TIE = tl.constexpr(KEEP_ALL), tl.constexpr(EVERY_TIE)
 # untuned: rows per program, keys per step, digit width (16 candidates per row and step)
 RADIX_BLOCK_M, RADIX_BLOCK_N, RADIX_BITS, RADIX_NUM_WARPS = 16, 64, 4, 4
 INTERPRETER_BLOCK_M, INTERPRETER_BLOCK_N, INTERPRETER_RADIX_BITS = 16, 16, 8
-# per-key scores of more rows than one radix row tile select over key ranges (row_thresholds)
+# per-key scores take the range select only with more rows than one radix row tile
+# (row_thresholds says why)
 RANGE_SELECT_ROWS = RADIX_BLOCK_M
 # untuned: the split select's slices walk at least this many key tiles (each program replays
 # the levels' counts before its walk)
