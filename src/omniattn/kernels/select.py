@@ -77,8 +77,10 @@ def block_mask_keep(states, slots, bits, stride_sq, stride_sk, stride_lq, stride
     q_block = rows[:, None] // block_q
     k_block = cols[None, :] // block_k
     state = tl.load(states + q_block * stride_sq + k_block * stride_sk, mask=inside, other=0)
-    rel = cols[None, :] - rows[:, None] - diag_offset
-    partial = ((right < 0) | (rel <= right)) & ((left < 0) | (rel >= -left))
+    # an unbounded side (-1) as a bound no offset reaches
+    reach = seqlen_q + seqlen_k
+    partial = visible_elements(rows, cols, 0, diag_offset, tl.where(left < 0, reach, left),
+                               tl.where(right < 0, reach, right), True, True, False)
     if HAS_BITS:
         slot = tl.load(slots + q_block * stride_lq + k_block * stride_lk, mask=inside, other=-1)
         offset = tl.maximum(slot, 0).to(tl.int64) * (block_q * block_k) \
