@@ -316,6 +316,21 @@ def key_slice_tiles(lo, hi, key_slice, num_splits):
     return first, tl.maximum(tl.minimum(first + per_slice, hi), first)
 
 
+@triton.jit
+def _slice_program(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+                   score_layout, mask_layout, block_layout, shape, num_splits,
+                   FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split program's key slice, its row tile (`row_tile`'s values) and its rows' int64
+    index into the per-row count buffers (batch x heads_out, row tiles x BM)."""
+    tile_m = tl.program_id(0) // num_splits
+    tile = row_tile(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
+                    score_layout, mask_layout, block_layout, shape, tile_m, FORM, BLOCK_M,
+                    BLOCK_N)
+    row_index = (tl.program_id(1) * (tl.num_programs(0) // num_splits) * BLOCK_M + tile[4]) \
+        .to(tl.int64)
+    return tl.program_id(0) % num_splits, tile, row_index
+
+
 @triton.jit(do_not_specialize=["level"])
 def _slice_digit_counts_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
                                CuSeqlensK, SeqUsed, Counts, SliceCounts, score_layout,
@@ -328,16 +343,13 @@ def _slice_digit_counts_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeq
     BM, levels, digits), zeroed before level 0. The last level also stores each slice's own
     counts in SliceCounts (batch x heads_out, row tiles x BM, num_splits, digits): its
     ties at the threshold, which place the tie bound."""
-    tile_m = tl.program_id(0) // num_splits
-    key_slice = tl.program_id(0) % num_splits
-    _, _, _, _, rows, lo, hi, view = row_tile(
+    key_slice, tile, row_index = _slice_program(
         Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
-        score_layout, mask_layout, block_layout, shape, tile_m, FORM, BLOCK_M, BLOCK_N)
+        score_layout, mask_layout, block_layout, shape, num_splits, FORM, BLOCK_M, BLOCK_N)
+    _, _, _, _, rows, lo, hi, view = tile
     topk = shape[0]
     NUM_DIGITS: tl.constexpr = 1 << RADIX
     NUM_LEVELS: tl.constexpr = 32 // RADIX
-    row_index = (tl.program_id(1) * (tl.num_programs(0) // num_splits) * BLOCK_M + rows) \
-        .to(tl.int64)
     counts = Counts + row_index * NUM_LEVELS * NUM_DIGITS
     prefix, _, _, n_visible = level_descent(counts, level, topk, RADIX)
     # rows seeing at most topk keys keep them all: a tile of only those stops after level 0
@@ -369,16 +381,13 @@ def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlen
     x key slice, batch x heads_out). Slice 0 writes its rows' thresholds, and their tie bounds
     where no tie at the threshold is cut; the slice holding a cut row's last kept tie (the
     slices' own tie counts before it fall short of it) finds it among its keys."""
-    tile_m = tl.program_id(0) // num_splits
-    key_slice = tl.program_id(0) % num_splits
-    off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = row_tile(
+    key_slice, tile, row_index = _slice_program(
         Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK, SeqUsed,
-        score_layout, mask_layout, block_layout, shape, tile_m, FORM, BLOCK_M, BLOCK_N)
+        score_layout, mask_layout, block_layout, shape, num_splits, FORM, BLOCK_M, BLOCK_N)
+    off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = tile
     topk = shape[0]
     NUM_DIGITS: tl.constexpr = 1 << RADIX
     NUM_LEVELS: tl.constexpr = 32 // RADIX
-    row_index = (tl.program_id(1) * (tl.num_programs(0) // num_splits) * BLOCK_M + rows) \
-        .to(tl.int64)
     prefix, above, ties, n_visible = level_descent(Counts + row_index * NUM_LEVELS * NUM_DIGITS,
                                                    NUM_LEVELS, topk, RADIX)
     selects = n_visible > topk
