@@ -89,3 +89,44 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+_WINDOW_NAMES = {"diag", "diag_left", "diag_offset", "window_left", "window_right", "rel"}
+
+
+def _broadcast(node: ast.AST) -> bool:
+    """x[None, :] / x[:, None]: an operand spread over a tile."""
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and any(
+        isinstance(e, ast.Constant) and e.value is None for e in node.slice.elts)
+
+
+def _element_window_comparisons(path: pathlib.Path) -> dict[str, int]:
+    """Per function of the file: comparisons over a tile's elements ([BM, BN] broadcasts or the
+    relative offset `rel`) that read a diagonal or window bound: the window predicate."""
+    found: dict[str, int] = {}
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Compare):
+                continue
+            parts = [node.left, *node.comparators]
+            names = {n.id for part in parts for n in ast.walk(part) if isinstance(n, ast.Name)}
+            tile = any(_broadcast(n) for part in parts for n in ast.walk(part)) or "rel" in names
+            if tile and names & _WINDOW_NAMES:
+                found[function.name] = found.get(function.name, 0) + 1
+    return found
+
+
+def test_one_window_predicate_per_kernel_dialect():
+    """The causal / window element predicate is written once per kernel dialect:
+    `kernels.common.visible_elements` for the Triton kernels, `blocks.drop_outside_window` for
+    the Gluon ones; every other kernel calls those (issue #52)."""
+    homes = {"gluon": {("backends/gluon_sm90/blocks.py", "drop_outside_window")},
+             "triton": {("kernels/common.py", "visible_elements")}}
+    for dialect, folders in (("gluon", ["backends/gluon_sm90"]),
+                             ("triton", ["backends/triton", "kernels"])):
+        written = {(str(path.relative_to(PACKAGE)), function)
+                   for folder in folders for path in sorted((PACKAGE / folder).glob("*.py"))
+                   for function in _element_window_comparisons(path)}
+        assert written == homes[dialect], f"{dialect}: the window predicate is written in {written}"

@@ -37,9 +37,9 @@ from ...kernels.sequences import (PackedSequences, batch_shape, packed_operands,
 from ...kernels.sizes import cdiv
 from ...runtime.launch import launch
 from ...runtime.switches import sm_count
-from .blocks import (ElementForm, by_tma, copy_tile, descriptor, flat_launch, flat_rows,
-                     flat_view_bounds, gluon_refusal, hand_over, handed, load_tile, producer_tiles,
-                     scatter_rows, tensor_descriptor, tile_at)
+from .blocks import (ElementForm, by_tma, copy_tile, descriptor, drop_outside_window,
+                     flat_launch, flat_rows, flat_view_bounds, gluon_refusal, hand_over, handed,
+                     load_tile, producer_tiles, scatter_rows, tensor_descriptor, tile_at)
 from .configs import (causal_pairs_per_group, hopper_backward_config, hopper_backward_dq_trails,
                       hopper_backward_p_rounding, hopper_backward_splits_head_dim)
 
@@ -389,13 +389,14 @@ def _query_tile(i, tile_m, buffers, k_half, v_half, k_dq0, k_dq1, barriers, dq_d
     if (MASKED or KEY_END) and not EVEN_N:
         p_t = gl.where(keys[:, None] < seqlen_k, p_t, 0.0)
     if MASKED:
+        rows = start_m + local_m
         if HAS_RIGHT:
             # explicit lists: PARTIAL tiles inside the window skip it
             if (not EXPLICIT) or (start_m + diag < key0 + HALF_N - 1):
-                rows = start_m + local_m
-                p_t = gl.where(keys[:, None] <= rows[None, :] + diag, p_t, 0.0)
-        if HAS_LEFT:
-            p_t = gl.where(keys[:, None] >= (start_m + local_m)[None, :] + diag_left, p_t, 0.0)
+                p_t = drop_outside_window(p_t, rows, keys, diag, diag_left, 0, 0.0, False, True,
+                                          False, True)
+        p_t = drop_outside_window(p_t, rows, keys, diag, diag_left, 0, 0.0, HAS_LEFT, False,
+                                  False, True)
         if ROW_ORDER:
             p_t = gl.where(keys[:, None] < row_ends[None, :], p_t, 0.0)
     # P^T rounded (P_ROUNDING: `hopper_backward_p_rounding`) and dS^T are the A operands of dV

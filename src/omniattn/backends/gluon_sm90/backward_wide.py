@@ -28,7 +28,7 @@ from ...kernels.sizes import cdiv
 from ...runtime.launch import launch
 from .backward import (async_reduce_add, key_tile_grid, key_tile_program, length_q_tiles,
                        stats_descriptor)
-from .blocks import descriptor, flat_launch, flat_view_bounds
+from .blocks import descriptor, drop_outside_window, flat_launch, flat_view_bounds
 from .configs import hopper_backward_config
 
 BOX = 64  # rows and columns of every box (64 bf16 columns: a 128-byte swizzle's row)
@@ -170,10 +170,8 @@ def _query_tile(i, tile_m, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem
     if MASKED:
         if not EVEN_N:
             p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
-        if HAS_RIGHT:
-            p = gl.where(keys[None, :] <= rows[:, None] + diag, p, 0.0)
-        if HAS_LEFT:
-            p = gl.where(keys[None, :] >= rows[:, None] + diag_left, p, 0.0)
+        p = drop_outside_window(p, rows, keys, diag, diag_left, 0, 0.0, HAS_LEFT, HAS_RIGHT,
+                                False, False)
         if ROW_ORDER:
             p = gl.where(keys[None, :] < row_ends[:, None], p, 0.0)
     mbarrier.wait(do_ready.index(buf), phase)

@@ -1,6 +1,7 @@
 """Pieces the Gluon kernels (fwd_hopper.py, bwd_hopper.py, bwd_hopper_wide.py) share: TMA tile loads
 and descriptors, producer rings, list walkers, hand-overs, rows gathered / scattered in length
-order, packed flat views, mask / bias forms (`ElementForm`), whether the kernels take a call."""
+order, packed flat views, mask / bias forms (`ElementForm`), the window predicate, whether the
+kernels take a call."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +19,33 @@ from ...kernels.schedule import KernelArgs
 from ...kernels.sequences import tma_compatible
 from ...runtime.switches import compute_capability, gluon_enabled, interpreting
 from .configs import hopper_backward_config, hopper_forward_config
+
+
+@gluon.jit
+def drop_outside_window(x, rows, keys, diag, diag_left, key_limit, fill, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr, LIMIT: gl.constexpr, KEYS_FIRST: gl.constexpr):
+    """x with `fill` at the keys outside each row's window: `predicate.RelativePredicate` on
+    the device, row i seeing key j iff i + diag_left <= j <= i + diag (diag = Sk - Sq + right,
+    diag_left = Sk - Sq - left; HAS_LEFT / HAS_RIGHT: the bounds there are). x is [BM, BN] over
+    rows [BM] and keys [BN] in its slice layouts, [BN, BM] with KEYS_FIRST. LIMIT (rows first
+    only): keys at or past key_limit (Sk, or [BM] per-row key ends) go in the right bound's
+    select. One select per bound: ANDed first, the booleans stayed in registers."""
+    if LIMIT:
+        key_end = gl.full_like(rows, 0) + key_limit
+        if HAS_RIGHT:
+            key_end = gl.minimum(key_end, rows + diag + 1)
+        x = gl.where(keys[None, :] < key_end[:, None], x, fill)
+    elif HAS_RIGHT:
+        if KEYS_FIRST:
+            x = gl.where(keys[:, None] <= rows[None, :] + diag, x, fill)
+        else:
+            x = gl.where(keys[None, :] <= rows[:, None] + diag, x, fill)
+    if HAS_LEFT:
+        if KEYS_FIRST:
+            x = gl.where(keys[:, None] >= rows[None, :] + diag_left, x, fill)
+        else:
+            x = gl.where(keys[None, :] >= (rows + diag_left)[:, None], x, fill)
+    return x
 
 
 @gluon.jit

@@ -29,9 +29,9 @@ from ...kernels.sequences import (PackedSequences, batch_shape, lse_strides, pac
                                   row_lens_operands, row_strides, tma_compatible)
 from ...kernels.sizes import cdiv
 from ...runtime.launch import launch
-from .blocks import (ElementForm, by_tma, copy_tile, descriptor, flat_launch, flat_rows,
-                     flat_view_bounds, gather_rows, gluon_refusal, hand_over, handed, load_tile,
-                     producer_tiles, scatter_rows, tile_at)
+from .blocks import (ElementForm, by_tma, copy_tile, descriptor, drop_outside_window,
+                     flat_launch, flat_rows, flat_view_bounds, gather_rows, gluon_refusal,
+                     hand_over, handed, load_tile, producer_tiles, scatter_rows, tile_at)
 from .configs import hopper_forward_config
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -146,14 +146,9 @@ def _drop_past_key_end(z, rows, start_n, row_ends, diag_offset, window_left, win
     """z [BM, BN] of the key tile at start_n with -inf past each row's end (row_ends: Sk, or
     [BM] per-row key lengths) and outside each row's window."""
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, z.type.layout))
-    key_end = gl.full_like(rows, 0) + row_ends  # [BM]
-    if HAS_RIGHT:
-        key_end = gl.minimum(key_end, rows + diag_offset + window_right + 1)
-    z = gl.where(keys[None, :] < key_end[:, None], z, float("-inf"))
-    if HAS_LEFT:
-        z = gl.where(keys[None, :] >= (rows + diag_offset - window_left)[:, None], z,
-                     float("-inf"))
-    return z
+    return drop_outside_window(z, rows, keys, diag_offset + window_right,
+                               diag_offset - window_left, row_ends, float("-inf"), HAS_LEFT,
+                               HAS_RIGHT, True, False)
 
 
 @gluon.jit
