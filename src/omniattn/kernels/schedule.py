@@ -169,18 +169,15 @@ class Schedule:
 
     @staticmethod
     def build(states_at, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
-              dkdv_tile: tuple[int, int], num_heads: int,
-              bits: BlockBits | None = None) -> "Schedule":
-        """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs in
-        {1, Hk, H}; states of one tile size are computed once even if two passes share it."""
+              dkdv_tile: tuple[int, int], bits: BlockBits | None = None) -> "Schedule":
+        """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs dividing
+        H, which the lists keep (TileLists); states of one tile size are computed once even if
+        two passes share it."""
         cache: dict[tuple[int, int], torch.Tensor] = {}
 
         def states(tile):
             if tile not in cache:
-                s = states_at(*tile)
-                if s.shape[1] not in (1, num_heads):  # per KV head: one copy per query head
-                    s = s.repeat_interleave(num_heads // s.shape[1], dim=1)
-                cache[tile] = s
+                cache[tile] = states_at(*tile)
             return cache[tile]
 
         return Schedule(TileLists.from_states(states(forward_tile), *forward_tile),
