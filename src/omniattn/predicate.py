@@ -12,6 +12,7 @@ device helper. This module imports nothing from the rest of the package.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,19 @@ def transposed_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.T
     """(num, indices) of PARTIAL then of FULL blocks per key column: the lists dK/dV walk."""
     return (*lists_from_blocks(partial.transpose(-1, -2)),
             *lists_from_blocks(full.transpose(-1, -2)))
+
+
+def common_heads(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tile-state maps (B|1, Ha, ...) and (B|1, Hb, ...), head counts dividing the query
+    heads' (query head h reads head h // (H / Ha)), at lcm(Ha, Hb) heads where neither is 1
+    (one head broadcasts): what their AND is computed at, fewer heads than H where both have
+    fewer (a per-KV-head mask and a top-k term per KV head stay at Hk)."""
+    heads_a, heads_b = a.shape[1], b.shape[1]
+    if 1 in (heads_a, heads_b) or heads_a == heads_b:
+        return a, b
+    heads = math.lcm(heads_a, heads_b)
+    return (a if heads_a == heads else a.repeat_interleave(heads // heads_a, dim=1),
+            b if heads_b == heads else b.repeat_interleave(heads // heads_b, dim=1))
 
 
 def coarsen_states(states: torch.Tensor, factor_m: int, factor_n: int) -> torch.Tensor:

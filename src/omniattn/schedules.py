@@ -13,7 +13,7 @@ from .kernels.elementwise import (Elementwise, TopkTerm, fine_tile_of, mask_forw
 from .kernels.schedule import KernelArgs, Schedule
 from .kernels.sequences import batch_shape
 from .plan import CallForm, ListTiles
-from .predicate import RelativePredicate, coarsen_states
+from .predicate import RelativePredicate, coarsen_states, common_heads
 from .runtime.switches import interpreting
 
 SMALLEST_MASK_TILE = 64  # the bf16/fp16 tiles of masked schedules (Triton configs) are 64 or 128
@@ -39,17 +39,11 @@ def kernel_block_mask(block_mask, args: KernelArgs, attn_mask, row_lens, packed)
 
 
 def _and_states(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    """The AND of two tile-state maps (B|1, Hs, n|1, n|1): their minimum, heads in {1, Hk, H}
-    spread to the larger count where neither is 1."""
+    """The AND of two tile-state maps (B|1, Hs, n|1, n|1): their minimum, at the heads of
+    `common_heads` (the larger count where one divides the other, as 1, Hk and H do)."""
     if a is None:
         return b
-    heads_a, heads_b = a.shape[1], b.shape[1]
-    if 1 not in (heads_a, heads_b) and heads_a != heads_b:
-        if heads_a < heads_b:
-            a = a.repeat_interleave(heads_b // heads_a, dim=1)
-        else:
-            b = b.repeat_interleave(heads_a // heads_b, dim=1)
-    return torch.minimum(a, b)
+    return torch.minimum(*common_heads(a, b))
 
 
 def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | None,
@@ -60,9 +54,11 @@ def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | N
     and the kernel arguments whose predicate their PARTIAL tiles apply (attention's ANDed with
     the block mask's). Element-exact tile states (the mask's pre-pass, the lengths' min/max per
     tile, the top-k scores' and thresholds' per tile) are computed once, at the finest tile any
-    pass uses, and ANDed. backward=False (no gradient will
-    flow): lists built per call are built for the forward only (those of a mask spanning
-    (Sq, Sk) alone by its pre-pass's launch)."""
+    pass uses, and ANDed. The lists keep the head count of those states (of a block mask's
+    where it has more): a mask or top-k term per KV head gives lists per KV head, which the
+    query heads of a group share. backward=False (no gradient will flow): lists built per call
+    are built for the forward only (those of a mask spanning (Sq, Sk) alone by its pre-pass's
+    launch)."""
     q, k, args, block_mask, row_lens, packed = form.q, form.k, form.args, form.block_mask, \
         form.row_lens, form.packed
     num_heads = q.shape[-2]
@@ -90,13 +86,12 @@ def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | N
             topk, seqlen_q, seqlen_k, *fine_tile, packed))
     if forward_lists_by_pre_pass:
         schedule = mask_forward_schedule(Elementwise.of(attn_mask, num_heads), fine_tile,
-                                         seqlen_q, seqlen_k, num_heads, outer_args, tiles[0],
-                                         packed)
+                                         seqlen_q, seqlen_k, outer_args, tiles[0], packed)
     elif block_mask is None:
-        schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, num_heads,
-                                   outer_args, *tiles, packed=packed, backward=backward)
+        schedule = states_schedule(element_states, fine_tile, seqlen_q, seqlen_k, outer_args,
+                                   *tiles, packed=packed, backward=backward)
     elif element_states is None and packed is None:
-        schedule = block_mask.kernel_schedule(*tiles, outer, num_heads)
+        schedule = block_mask.kernel_schedule(*tiles, outer)
     else:
         # element states and per-sequence predicates join the block mask's on the host
         # (tile-granular tensors)
@@ -107,5 +102,5 @@ def build_schedule(form: CallForm, lists: ListTiles, attn_mask: torch.Tensor | N
                 element_states, block_m // fine_tile[0], block_n // fine_tile[1])
             return block_mask.kernel_states(block_m, block_n, outer, element, lengths)
 
-        schedule = Schedule.build(states_at, *tiles, num_heads, block_mask.kernel_bits)
+        schedule = Schedule.build(states_at, *tiles, block_mask.kernel_bits)
     return schedule.launched_with(*lists.launch), args

@@ -473,19 +473,19 @@ def test_mask_schedule_is_sound(monkeypatch, form, causal, window, lengths, one_
         if not Elementwise.spans_both(mask):
             pytest.skip("one launch serves masks spanning (Sq, Sk)")
         schedule = mask_forward_schedule(Elementwise.of(mask, heads), fine_tile, seqlen_q,
-                                         seqlen_k, heads, args, tiles[0])
+                                         seqlen_k, args, tiles[0])
     else:
         fine = mask_tile_states(Elementwise.of(mask, heads), seqlen_q, seqlen_k, *fine_tile,
                                 args)
-        schedule = states_schedule(fine, fine_tile, seqlen_q, seqlen_k, heads, args, *tiles)
+        schedule = states_schedule(fine, fine_tile, seqlen_q, seqlen_k, args, *tiles)
+    # lists keep the mask's heads (1kqs: one per KV head)
     visible = mask.expand(batch, -1, seqlen_q, seqlen_k) & predicate(seqlen_q, seqlen_k, causal,
                                                                       window)
-    if visible.shape[1] == heads_k:
-        visible = visible.repeat_interleave(heads // heads_k, dim=1)
     passes = [(schedule.forward, False)]
     if not one_launch:
         passes += [(schedule.dq, False), (schedule.dkdv, True)]
     for lists, transposed in passes:
+        assert lists.num_blocks.shape[1] == lists.indices.shape[1] == mask.shape[1]
         exact = exact_tile_states(visible, lists.block_m, lists.block_n)
         n_rows, n_cols = exact.shape[-2:] if not transposed else exact.shape[-2:][::-1]
         pictures = [blocks_from_lists(num, idx, n_cols).cpu()

@@ -92,3 +92,112 @@ def test_coarsen_states(factors):
                                    torch.where((sub == HIDDEN).flatten(2).all(-1), HIDDEN, PARTIAL))
             assert torch.equal(coarse[..., i, j], expected.to(torch.int8))
 
+
+
+# (H, Hk, list heads): lists per KV head (groups of 2 and 4), fewer than the KV heads, and
+# between the KV heads and the query heads
+LIST_HEADS = [(4, 2, 2), (8, 2, 2), (8, 4, 2), (8, 2, 4)]
+
+
+def banded_lists(batch, list_heads, n_m, n_n, generator):
+    """(partial, full) block pictures (B, Hl, n_m, n_n) in which list head l hides every key tile
+    n with n % Hl == l, and lists a random half of the others FULL: each head shows key tiles
+    that another hides, so a query head walking another head's list gets other keys."""
+    listed = torch.rand(batch, list_heads, n_m, n_n, generator=generator) < 0.8
+    own_band = torch.arange(n_n) % list_heads == torch.arange(list_heads)[:, None]  # (Hl, n_n)
+    listed &= ~own_band[None, :, None, :]
+    full = listed & (torch.rand(batch, list_heads, n_m, n_n, generator=generator) < 0.5)
+    return (listed & ~full).to(DEVICE), full.to(DEVICE)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "dq_programs"])
+@pytest.mark.parametrize("heads", LIST_HEADS, ids=lambda h: "H{}-Hk{}-lists{}".format(*h))
+def test_lists_with_fewer_heads_than_the_queries(heads, deterministic):
+    """Lists of Hl heads (a divisor of H): query head h walks list head h // (H / Hl) in the
+    forward, dQ and dK/dV programs (a dK/dV program's KV group then shares one list, or spans
+    several). Out, lse and gradients against the reference with the lists spread to H."""
+    num_heads, heads_k, list_heads = heads
+    block_m, block_n = BLOCKS[0]
+    batch, seqlen_q, seqlen_k = 2, 4 * block_m - 3, 4 * block_n
+    generator = torch.Generator().manual_seed(sum(heads))
+    partial, full = banded_lists(batch, list_heads, 4, 4, generator)
+    schedule = Schedule.from_blocks(block_m, block_n, partial, full)
+    assert schedule.forward.num_blocks.shape[1] == schedule.dkdv.num_blocks.shape[1] == list_heads
+    visible = expand_blocks(partial | full, block_m, block_n, seqlen_q, seqlen_k)
+    visible = visible.repeat_interleave(num_heads // list_heads, dim=1)
+
+    torch.manual_seed(num_heads + list_heads)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, num_heads, heads_k, 32, torch.float16)
+    dout = torch.randn_like(q)
+    out, lse, grads = run_kernels(q, k, v, dout, schedule=schedule, deterministic=deterministic)
+    check_against_reference(out, lse, grads, q, k, v, dout, attn_mask=visible)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("source", ["mask", "topk", "block_mask_1", "block_mask_H"])
+def test_gqa_calls_build_lists_per_kv_head(monkeypatch, source, group):
+    """A call whose tile states come per KV head (an element mask (B, Hk, Sq, Sk), a top-k term
+    over per-key scores (B, Hk, 1, Sk), the mask with a block mask of one head) builds its lists
+    at Hk heads, which the query heads of a KV group share; with a block mask of H heads, at H.
+    Each KV head's mask or scores hide key tiles the other shows, so a query head walking the
+    wrong list drops visible keys or keeps hidden ones: out, lse and gradients against the
+    reference, the mask's also with a full bias's gradient (zeroed where its lists leave tiles
+    out) and without a gradient (the pre-pass's one-launch forward lists)."""
+    import omniattn
+    from helpers import element_visibility
+    from omniattn import api
+    from omniattn.schedules import build_schedule
+
+    built = []
+
+    def recording(*args, **kwargs):
+        schedule, kernel_args = build_schedule(*args, **kwargs)
+        built.append(schedule)
+        return schedule, kernel_args
+
+    monkeypatch.setattr(api, "build_schedule", recording)
+    # on a GPU, head dim 128: the Gluon forward and backward take the calls they can
+    heads_k, band, head_dim = (2, 128, 128) if GPU else (2, 16, 32)
+    num_heads = heads_k * group
+    batch, seqlen, dtype = 2, 4 * band, torch.float16
+    generator = torch.Generator().manual_seed(group)
+    torch.manual_seed(group)
+    q, k, v = random_qkv(batch, seqlen, seqlen, num_heads, heads_k, head_dim, dtype)
+    dout = torch.randn_like(q)
+    # KV head j hides (mask) or scores low (top-k) the keys of bands b with b % Hk == j
+    own_band = (torch.arange(seqlen) // band % heads_k == torch.arange(heads_k)[:, None])
+    options, reference, expected_heads = {}, {}, heads_k
+    if source == "topk":
+        scores = torch.randn(batch, heads_k, 1, seqlen, generator=generator) \
+            - 8.0 * own_band[None, :, None, :]
+        options = reference = dict(topk=seqlen // 4, topk_scores=scores.to(DEVICE))
+    else:
+        mask = (torch.rand(batch, heads_k, seqlen, seqlen, generator=generator) < 0.8) \
+            & ~own_band[None, :, None, :]
+        options = dict(attn_mask=mask.to(DEVICE))
+        reference = dict(attn_mask=mask.repeat_interleave(group, dim=1).to(DEVICE))
+    if source.startswith("block_mask"):
+        mask_heads = 1 if source == "block_mask_1" else num_heads
+        blocks = torch.rand(1, mask_heads, 4, 4, generator=generator) < 0.7
+        options["block_mask"] = omniattn.block_mask_from_blocks(blocks.to(DEVICE), band)
+        reference["attn_mask"] = reference["attn_mask"] \
+            & element_visibility(options["block_mask"]).to(DEVICE)
+        expected_heads = heads_k if mask_heads == 1 else num_heads
+    leaves = (q, k, v)
+    if source == "mask":
+        bias = torch.randn(batch, num_heads, seqlen, seqlen, dtype=dtype, device=DEVICE,
+                           requires_grad=True)
+        options["attn_bias"] = reference["attn_bias"] = bias
+        leaves += (bias,)
+    out, lse = omniattn.attention(q, k, v, return_lse=True, **options)
+    grads = torch.autograd.grad(out, leaves, dout)
+    check_against_reference(out, lse, grads, q, k, v, dout, **reference)
+    if source == "mask":
+        with torch.no_grad():
+            out, lse = omniattn.attention(q, k, v, attn_mask=options["attn_mask"],
+                                          return_lse=True)
+        check_against_reference(out, lse, None, q, k, v, dout, attn_mask=reference["attn_mask"])
+    assert built, "the call built no lists"
+    for schedule in built:
+        for lists in (schedule.forward, schedule.dq, schedule.dkdv):
+            assert lists.num_blocks.shape[1] == lists.full_indices.shape[1] == expected_heads

@@ -80,8 +80,8 @@ def test_kernel_schedule_is_cached():
     mask = omniattn.causal_block_mask(64, 64, 32)
     predicate_none = mask.predicate.make()
     tiles = ((16, 16), (32, 16), (16, 32))
-    assert mask.kernel_schedule(*tiles, predicate_none, 2) is \
-        mask.kernel_schedule(*tiles, predicate_none, 2)
+    assert mask.kernel_schedule(*tiles, predicate_none) is \
+        mask.kernel_schedule(*tiles, predicate_none)
     assert mask.kernel_states(16, 16, predicate_none) is mask.kernel_states(16, 16, predicate_none)
 
 

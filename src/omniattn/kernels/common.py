@@ -352,10 +352,13 @@ def schedule_phase(
 def schedule_rows(
     Num, Idx, FullNum, FullIdx, off_b, off_h, row,
     stride_nb, stride_nh, stride_nr, stride_ib, stride_ih, stride_ir,
-    stride_fnb, stride_fnh, stride_fnr, stride_fib, stride_fih, stride_fir,
+    stride_fnb, stride_fnh, stride_fnr, stride_fib, stride_fih, stride_fir, head_div,
 ):
     """Pointers to one row of an explicit schedule: (partial count, partial list, full count,
-    full list) of (batch, head, tile row); broadcast dims have stride 0."""
+    full list) of (batch, query head, tile row); broadcast dims have stride 0. Query head off_h
+    walks list head off_h // head_div (TileLists.operands' last stride item: lists may have
+    fewer heads than the queries)."""
+    off_h = off_h // head_div
     part_num = Num + off_b * stride_nb + off_h * stride_nh + row * stride_nr
     part_idx = Idx + off_b.to(tl.int64) * stride_ib + off_h.to(tl.int64) * stride_ih \
         + row.to(tl.int64) * stride_ir

@@ -259,8 +259,8 @@ def _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, lists, offset, n_r
               HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr):
     """The BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed)
     or, TRANSPOSED, a key tile (query tiles listed), into the pass's part of `lists` at
-    `offset`: counts (2, B, Hout, n_rows) of PARTIAL then FULL tiles, indices
-    (2, B, Hout, n_rows, n_cols). A tile's state is the AND (min) of the causal / window state
+    `offset`: counts (2, B, Hl, n_rows) of PARTIAL then FULL tiles, indices
+    (2, B, Hl, n_rows, n_cols), bh the row's batch x list head. A tile's state is the AND (min) of the causal / window state
     and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer tiles. Tiles
     outside the causal / window range are not looked at. Listed in increasing order.
     VARLEN: (Sq, Sk) are those of the row's sequence."""
@@ -276,7 +276,7 @@ def _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, lists, offset, n_r
         lo, full_lo, full_hi, hi = implicit_kv_range(row * BLOCK_M, seqlen_q, seqlen_k,
                                                      diag_offset, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    slot = bh * n_rows + row  # of this row in (B, Hout, n_rows)
+    slot = bh * n_rows + row  # of this row in (B, Hl, n_rows)
     num = lists + offset + slot
     full_num = num + batch_heads * n_rows
     idx = lists + offset + 2 * batch_heads * n_rows + slot.to(tl.int64) * n_cols
@@ -325,8 +325,8 @@ def _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, lists, offset, n_r
 
 @triton.jit
 def _mask_lists_kernel(
-    Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, heads_out,
-    head_div, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+    Fine, stride_fb, stride_fh, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, list_heads,
+    CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     offset_0, n_rows_0, n_cols_0, offset_1, n_rows_1, n_cols_1, offset_2, n_rows_2, n_cols_2,
     BLOCK_M_0: tl.constexpr, BLOCK_N_0: tl.constexpr, TRANSPOSED_0: tl.constexpr,
     BLOCK_C_0: tl.constexpr, BLOCK_M_1: tl.constexpr, BLOCK_N_1: tl.constexpr,
@@ -336,12 +336,13 @@ def _mask_lists_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The lists of up to three passes (each its own tile and orientation) in one launch:
-    program rows [0, n_rows_0) build pass 0's, the next n_rows_1 pass 1's, then pass 2's."""
+    program rows [0, n_rows_0) build pass 0's, the next n_rows_1 pass 1's, then pass 2's; list
+    head h from states head h."""
     row = tl.program_id(0)
     bh = tl.program_id(1)
     batch_heads = tl.num_programs(1)
-    off_b = bh // heads_out
-    fine = Fine + off_b * stride_fb + (bh % heads_out // head_div) * stride_fh
+    off_b = bh // list_heads
+    fine = Fine + off_b * stride_fb + (bh % list_heads) * stride_fh
     if row < n_rows_0:
         _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, Lists, offset_0, n_rows_0,
                   n_cols_0, row, bh, batch_heads, CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
@@ -369,7 +370,7 @@ def _mask_forward_lists_kernel(
     Mask, States, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_sb, stride_sh, stride_sm, seqlen_q, seqlen_k, mask_rows, mask_cols, n_cols, num_heads,
     diag_offset, window_left, window_right, CuSeqlensQ, CuSeqlensK,
-    Lists, Arrivals, heads_out, head_div, n_list_rows, n_list_cols,
+    Lists, Arrivals, n_list_rows, n_list_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, ROWS_SHARED: tl.constexpr, COLS_SHARED: tl.constexpr,
     VARLEN: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, EVEN: tl.constexpr,
@@ -378,8 +379,8 @@ def _mask_forward_lists_kernel(
     """The pre-pass (`_tile_states` at the fine tile BLOCK_M x BLOCK_N) of a mask spanning
     (Sq, Sk) and the forward's lists at (LIST_M, LIST_N) in one launch: a program counts its
     arrival (states stored) at the list row holding its query tile; the last of that row's
-    LIST_M // BLOCK_M fine rows x tile groups to arrive builds the row, for each query head
-    reading this mask head. No program waits for another."""
+    LIST_M // BLOCK_M fine rows x tile groups to arrive builds the row, of this mask head's lists
+    (the lists keep the mask's heads). No program waits for another."""
     tile_group = tl.program_id(0)
     bh_mask = tl.program_id(1)
     tile_m = tl.program_id(2)
@@ -399,15 +400,12 @@ def _mask_forward_lists_kernel(
                             scope="gpu")
     if arrived == expected - 1:
         off_b = bh_mask // num_heads
-        off_hm = bh_mask % num_heads
-        fine = States + off_b * stride_sb + off_hm * stride_sh
-        batch_heads = tl.num_programs(1) // num_heads * heads_out
-        for copy in range(head_div):
-            _list_row(fine, stride_sm, 1, n_fine_m, n_cols, Lists, 0, n_list_rows, n_list_cols,
-                      row, off_b * heads_out + off_hm * head_div + copy, batch_heads, CuSeqlensQ,
-                      CuSeqlensK, off_b, seqlen_q, seqlen_k, diag_offset, window_left,
-                      window_right, LIST_M, LIST_N, LIST_M // BLOCK_M, LIST_N // BLOCK_N, False,
-                      HAS_LEFT, HAS_RIGHT, VARLEN, BLOCK_C)
+        fine = States + off_b * stride_sb + (bh_mask % num_heads) * stride_sh
+        _list_row(fine, stride_sm, 1, n_fine_m, n_cols, Lists, 0, n_list_rows, n_list_cols, row,
+                  bh_mask, tl.num_programs(1), CuSeqlensQ, CuSeqlensK, off_b, seqlen_q,
+                  seqlen_k, diag_offset, window_left, window_right, LIST_M, LIST_N,
+                  LIST_M // BLOCK_M, LIST_N // BLOCK_N, False, HAS_LEFT, HAS_RIGHT, VARLEN,
+                  BLOCK_C)
 
 
 Pass = tuple[tuple[int, int], bool]  # (tile, transposed) of a pass's lists
@@ -418,32 +416,32 @@ def _list_chunk(n_cols: int) -> int:
     return min(128, next_power_of_2(n_cols))
 
 
-def _lists_layout(passes: list[Pass], batch: int, heads_out: int, seqlen_q: int,
+def _lists_layout(passes: list[Pass], batch: int, list_heads: int, seqlen_q: int,
                   seqlen_k: int) -> tuple[list[tuple[int, int]], list[int], int]:
     """(n_rows, n_cols) of each pass's lists, their offsets in one int32 buffer, its size: per
-    pass, counts (2, B, Hout, n_rows) of PARTIAL then FULL tiles, then indices
-    (2, B, Hout, n_rows, n_cols)."""
+    pass, counts (2, B, Hl, n_rows) of PARTIAL then FULL tiles, then indices
+    (2, B, Hl, n_rows, n_cols)."""
     shapes, offsets, total = [], [], 0
     for (block_m, block_n), transposed in passes:
         n_m, n_n = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
         n_rows, n_cols = (n_n, n_m) if transposed else (n_m, n_n)
         shapes.append((n_rows, n_cols))
         offsets.append(total)
-        total += 2 * batch * heads_out * n_rows * (1 + n_cols)
+        total += 2 * batch * list_heads * n_rows * (1 + n_cols)
     return shapes, offsets, total
 
 
 def _list_views(lists: torch.Tensor, passes: list[Pass], shapes: list[tuple[int, int]],
-                offsets: list[int], batch: int, heads_out: int) -> list[TileLists]:
+                offsets: list[int], batch: int, list_heads: int) -> list[TileLists]:
     """Each pass's TileLists as views of the buffer `_lists_layout` describes."""
     result = []
     for ((block_m, block_n), _), (n_rows, n_cols), offset in zip(passes, shapes, offsets):
-        counts = batch * heads_out * n_rows
+        counts = batch * list_heads * n_rows
         # one as_strided per tensor (slicing and viewing took three torch ops)
-        num_of = [lists.as_strided((batch, heads_out, n_rows), (heads_out * n_rows, n_rows, 1),
+        num_of = [lists.as_strided((batch, list_heads, n_rows), (list_heads * n_rows, n_rows, 1),
                                    offset + part * counts) for part in (0, 1)]
-        idx_of = [lists.as_strided((batch, heads_out, n_rows, n_cols),
-                                   (heads_out * n_rows * n_cols, n_rows * n_cols, n_cols, 1),
+        idx_of = [lists.as_strided((batch, list_heads, n_rows, n_cols),
+                                   (list_heads * n_rows * n_cols, n_rows * n_cols, n_cols, 1),
                                    offset + 2 * counts + part * counts * n_cols)
                   for part in (0, 1)]
         result.append(TileLists(block_m, block_n, num_of[0], idx_of[0], num_of[1], idx_of[1]))
@@ -451,19 +449,20 @@ def _list_views(lists: torch.Tensor, passes: list[Pass], shapes: list[tuple[int,
 
 
 def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], passes: list[Pass],
-                seqlen_q: int, seqlen_k: int, num_heads: int, args: KernelArgs,
+                seqlen_q: int, seqlen_k: int, args: KernelArgs,
                 packed: PackedSequences | None = None) -> list[TileLists]:
     """Lists of each pass (tile, transposed), one to three, from the pre-pass states `fine`
-    (B|1, Hm, n|1, n|1) at `fine_tile`, in one launch and one allocation (a launch per pass
-    took 40-49 us of host time on an H100 host, four allocations more). Mask heads Hm in
-    {1, H} keep their count; Hm = Hk (< H) is spread to the H query heads. Packed sequences:
-    (Sq, Sk) are the longest, each batch's lists stop at its own lengths."""
-    batch, mask_heads, n_fine_m, n_fine_n = fine.shape
+    (B|1, Hs, n|1, n|1) at `fine_tile`, in one launch and one allocation (a launch per pass
+    took 40-49 us of host time on an H100 host, four allocations more). The lists keep the
+    states' heads Hs (1, Hk, H or another divisor of H): query head h walks list head
+    h // (H / Hs) (TileLists), so states per KV head make lists per KV head, not one copy per
+    query head. Packed sequences: (Sq, Sk) are the longest, each batch's lists stop at its own
+    lengths."""
+    batch, list_heads, n_fine_m, n_fine_n = fine.shape
     stride_fb = fine.stride(0)
     if packed is not None and batch != packed.batch:  # one state map for every sequence
         batch, stride_fb = packed.batch, 0
-    heads_out = 1 if mask_heads == 1 else num_heads
-    shapes, offsets, total = _lists_layout(passes, batch, heads_out, seqlen_q, seqlen_k)
+    shapes, offsets, total = _lists_layout(passes, batch, list_heads, seqlen_q, seqlen_k)
     lists = torch.empty(total, dtype=torch.int32, device=fine.device)
     operands, flags = [], {}
     for i in range(3):  # the kernel's unused pass slots repeat the last pass (never run)
@@ -475,16 +474,16 @@ def _mask_lists(fine: torch.Tensor, fine_tile: tuple[int, int], passes: list[Pas
                       f"BLOCK_C_{i}": _list_chunk(n_cols)})
     # a dim the mask broadcasts has one pre-pass state for every tile: stride 0, never out of range
     stride_fm, stride_fn = broadcast_strides(fine)[2:]
-    launch(_mask_lists_kernel, (sum(rows for rows, _ in shapes), batch * heads_out),
+    launch(_mask_lists_kernel, (sum(rows for rows, _ in shapes), batch * list_heads),
         fine, stride_fb, fine.stride(1), stride_fm, stride_fn,
         n_fine_m if stride_fm else 2 ** 30, n_fine_n if stride_fn else 2 ** 30,
-        lists, heads_out, heads_out // mask_heads, *packed_operands(packed, fine.device),
+        lists, list_heads, *packed_operands(packed, fine.device),
         seqlen_q, seqlen_k, seqlen_k - seqlen_q, args.window_left, args.window_right,
         *operands, **flags,
         FINE_M=fine_tile[0], FINE_N=fine_tile[1], NUM_PASSES=len(passes),
         HAS_LEFT=args.has_left, HAS_RIGHT=args.has_right, VARLEN=packed is not None,
     )
-    return _list_views(lists, passes, shapes, offsets, batch, heads_out)
+    return _list_views(lists, passes, shapes, offsets, batch, list_heads)
 
 
 def fine_tile_of(*tiles: tuple[int, int]) -> tuple[int, int]:
@@ -493,25 +492,24 @@ def fine_tile_of(*tiles: tuple[int, int]) -> tuple[int, int]:
 
 
 def states_schedule(fine: torch.Tensor, fine_tile: tuple[int, int], seqlen_q: int, seqlen_k: int,
-                    num_heads: int, args: KernelArgs, forward_tile: tuple[int, int],
+                    args: KernelArgs, forward_tile: tuple[int, int],
                     dq_tile: tuple[int, int], dkdv_tile: tuple[int, int],
                     packed: PackedSequences | None = None, backward: bool = True) -> Schedule:
     """Each pass's lists from element-exact tile states `fine` (B|1, Hs, n|1, n|1) at
     `fine_tile`, ANDed with causal / window: one list-builder launch for every pass (dQ shares
-    the forward's lists when their tiles match). backward=False: the forward's lists only
-    (Schedule.forward_only)."""
+    the forward's lists when their tiles match), with the states' heads. backward=False: the
+    forward's lists only (Schedule.forward_only)."""
     passes = [(forward_tile, False)]
     if backward:
         passes += ([] if dq_tile == forward_tile else [(dq_tile, False)]) + [(dkdv_tile, True)]
-    built = _mask_lists(fine, fine_tile, passes, seqlen_q, seqlen_k, num_heads, args, packed)
+    built = _mask_lists(fine, fine_tile, passes, seqlen_q, seqlen_k, args, packed)
     if not backward:
         return Schedule.forward_only(built[0])
     return Schedule(built[0], built[-2], built[-1])
 
 
 def mask_forward_schedule(mask: Elementwise, fine_tile: tuple[int, int], seqlen_q: int,
-                          seqlen_k: int, num_heads: int, args: KernelArgs,
-                          forward_tile: tuple[int, int],
+                          seqlen_k: int, args: KernelArgs, forward_tile: tuple[int, int],
                           packed: PackedSequences | None = None) -> Schedule:
     """`states_schedule(mask_tile_states(mask, ...), ..., backward=False)` in one launch, for a
     mask spanning (Sq, Sk): the pre-pass programs build the forward's lists as their rows
@@ -522,18 +520,17 @@ def mask_forward_schedule(mask: Elementwise, fine_tile: tuple[int, int], seqlen_
     states, grid, operands, flags = _states_launch(mask, seqlen_q, seqlen_k, *fine_tile, args,
                                                    packed)
     batch, mask_heads = states.shape[:2]
-    heads_out = 1 if mask_heads == 1 else num_heads
     passes = [(forward_tile, False)]
-    shapes, offsets, total = _lists_layout(passes, batch, heads_out, seqlen_q, seqlen_k)
+    shapes, offsets, total = _lists_layout(passes, batch, mask_heads, seqlen_q, seqlen_k)
     (n_rows, n_cols), = shapes
     lists = torch.empty(total, dtype=torch.int32, device=states.device)
     arrivals = torch.zeros(batch * mask_heads * n_rows, dtype=torch.int32, device=states.device)
     launch(_mask_forward_lists_kernel, grid,
-        *operands, lists, arrivals, heads_out, heads_out // mask_heads, n_rows, n_cols, **flags,
+        *operands, lists, arrivals, n_rows, n_cols, **flags,
         LIST_M=forward_tile[0], LIST_N=forward_tile[1], BLOCK_C=_list_chunk(n_cols),
         num_warps=MASK_NUM_WARPS)
     return Schedule.forward_only(_list_views(lists, passes, shapes, offsets, batch,
-                                             heads_out)[0])
+                                             mask_heads)[0])
 
 
 def row_length_states(row_lens: torch.Tensor, seqlen_q: int, seqlen_k: int, block_m: int,

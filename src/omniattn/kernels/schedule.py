@@ -67,11 +67,23 @@ class KernelArgs:
         return self.softcap * math.log2(math.e)
 
 
+def list_head_div(num_heads: int, list_heads: int) -> int:
+    """What a query head is divided by to give its list head: H / Hl, and 1 for one list head
+    (stride 0 then): Triton compiles an integer argument of 1 as a constant, so calls whose
+    lists have H heads or one keep the code they had before lists could have fewer."""
+    if list_heads == 0 or num_heads % list_heads:
+        raise ValueError(f"lists with {list_heads} heads for {num_heads} query heads: their "
+                         f"head count must divide the query heads'")
+    return 1 if list_heads == 1 else num_heads // list_heads
+
+
 @dataclass
 class TileLists:
     """BCSR lists at one tile size (block_m query rows x block_n keys): per row tile, the PARTIAL
     column tiles (num_blocks, indices) then the FULL ones. Rows are query tiles for the forward
-    and dQ passes and key tiles (transposed lists) for dK/dV. Leading dims (B|1, H|1, n_rows).
+    and dQ passes and key tiles (transposed lists) for dK/dV. Leading dims (B|1, Hl, n_rows), Hl
+    the head count of the tile states they came from (1, Hk, H or another divisor of H): query
+    head h walks list head h // (H / Hl), so the heads of a KV group may share one list.
     num_warps / num_stages: the launch the tiles were chosen with (0: the launcher's default)."""
 
     block_m: int
@@ -95,19 +107,21 @@ class TileLists:
     def tensors(self) -> list[torch.Tensor]:
         return [self.num_blocks, self.indices, self.full_num_blocks, self.full_indices]
 
-    def operands(self) -> tuple:
-        """Kernel operands: 4 tensors then the (b, h, row) strides of each, broadcasts (batch or
-        heads of size 1) as stride 0."""
+    def operands(self, num_heads: int) -> tuple:
+        """Kernel operands for a call of num_heads query heads: 4 tensors, then the (b, h, row)
+        strides of each, broadcasts (batch or heads of size 1) as stride 0, then the list head
+        divisor (`list_head_div`)."""
         return (self.num_blocks, self.indices, self.full_num_blocks, self.full_indices,
                 *broadcast_strides(self.num_blocks), *broadcast_strides(self.indices)[:3],
                 *broadcast_strides(self.full_num_blocks),
-                *broadcast_strides(self.full_indices)[:3])
+                *broadcast_strides(self.full_indices)[:3],
+                list_head_div(num_heads, self.num_blocks.shape[1]))
 
     @staticmethod
     def placeholder_operands(device: torch.device) -> tuple:
         """Operands for implicit schedules: never read by the kernels."""
         dummy = placeholder(device)
-        return (dummy, dummy, dummy, dummy) + (0,) * 12
+        return (dummy, dummy, dummy, dummy) + (0,) * 12 + (1,)
 
 
 @dataclass(frozen=True)
@@ -155,18 +169,15 @@ class Schedule:
 
     @staticmethod
     def build(states_at, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
-              dkdv_tile: tuple[int, int], num_heads: int,
-              bits: BlockBits | None = None) -> "Schedule":
-        """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs in
-        {1, Hk, H}; states of one tile size are computed once even if two passes share it."""
+              dkdv_tile: tuple[int, int], bits: BlockBits | None = None) -> "Schedule":
+        """states_at(block_m, block_n) -> int8 (B|1, Hs, n_q_tiles, n_k_tiles) with Hs dividing
+        H, which the lists keep (TileLists); states of one tile size are computed once even if
+        two passes share it."""
         cache: dict[tuple[int, int], torch.Tensor] = {}
 
         def states(tile):
             if tile not in cache:
-                s = states_at(*tile)
-                if s.shape[1] not in (1, num_heads):  # per KV head: one copy per query head
-                    s = s.repeat_interleave(num_heads // s.shape[1], dim=1)
-                cache[tile] = s
+                cache[tile] = states_at(*tile)
             return cache[tile]
 
         return Schedule(TileLists.from_states(states(forward_tile), *forward_tile),

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.schedule import BlockBits, Schedule
 from ..predicate import (FULL, HIDDEN, PARTIAL, RelativePredicate, blocks_from_lists,
-                         coarsen_states, lists_from_blocks, transposed_lists)
+                         coarsen_states, common_heads, lists_from_blocks, transposed_lists)
 from .evaluate import predicate_blocks
 
 
@@ -270,9 +270,10 @@ class BlockMask:
     def kernel_states(self, block_m: int, block_n: int, predicate: RelativePredicate,
                       element_states: torch.Tensor | None = None,
                       lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """int8 (B|1, H|1, n_q_tiles, n_k_tiles) states at kernel tiles (block_m, block_n) that
-        divide the user blocks, for attention's own `predicate` (and element-mask tile states,
-        broadcastable) ANDed with this mask's. A tile is FULL when its user block is FULL and the
+        """int8 (B|1, Hs, n_q_tiles, n_k_tiles) states at kernel tiles (block_m, block_n) that
+        divide the user blocks, for attention's own `predicate` (and element tile states
+        (B|1, He, ...), He dividing H) ANDed with this mask's; Hs: this mask's heads (1 or H), or
+        He where it has one head. A tile is FULL when its user block is FULL and the
         outer terms hold on the whole tile, or its user block is PARTIAL and everything holds on
         it; HIDDEN when anything hides it; PARTIAL otherwise. Without element states the result
         is cached: a mask reused across steps (and by the backward pass) is converted once.
@@ -288,6 +289,8 @@ class BlockMask:
                              f"blocks {self.block_size}")
         device = self.kv_indices.device
         user = self.states
+        if element_states is not None:  # per KV head (Hk) against this mask's H heads
+            user, element_states = common_heads(user, element_states)
         user = user.repeat_interleave(block_q // block_m, dim=2)
         user = user.repeat_interleave(block_k // block_n, dim=3)
         n_m, n_n = -(-self.seq_lengths[0] // block_m), -(-self.seq_lengths[1] // block_n)
@@ -322,15 +325,14 @@ class BlockMask:
         return state
 
     def kernel_schedule(self, forward_tile: tuple[int, int], dq_tile: tuple[int, int],
-                        dkdv_tile: tuple[int, int], predicate: RelativePredicate,
-                        num_heads: int) -> Schedule:
-        """The kernels' schedule (every pass at its own tiles) for attention's `predicate`;
-        cached, so a mask reused across steps is converted once."""
-        key = (forward_tile, dq_tile, dkdv_tile, predicate, num_heads)
+                        dkdv_tile: tuple[int, int], predicate: RelativePredicate) -> Schedule:
+        """The kernels' schedule (every pass at its own tiles, lists at this mask's heads) for
+        attention's `predicate`; cached, so a mask reused across steps is converted once."""
+        key = (forward_tile, dq_tile, dkdv_tile, predicate)
         if key not in self._kernel_schedules:
             self._kernel_schedules[key] = Schedule.build(
                 lambda m, n: self.kernel_states(m, n, predicate), forward_tile, dq_tile,
-                dkdv_tile, num_heads, self.kernel_bits)
+                dkdv_tile, self.kernel_bits)
         return self._kernel_schedules[key]
 
     def to_flex(self):

@@ -74,19 +74,22 @@ def _round_in_pairs(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _head_steps(h, lists, list_strides, first_m, end_m, EXPLICIT: gl.constexpr):
-    """Query tiles of the group's head h: (num_part, part_list, full_list, num_steps, first);
-    step j visits tile first + `tile_at(j, ...)`. Explicit: the head's PARTIAL list, then its
-    FULL one (lists: num, indices, full num, full indices at the group's first head;
-    list_strides: the launch's, per-head strides 0 where the schedule broadcasts heads);
-    implicit: tiles [first_m, end_m)."""
+def _head_steps(first_head, h, lists, list_strides, first_m, end_m, EXPLICIT: gl.constexpr):
+    """Query tiles of the group's head h (query head first_head + h): (num_part, part_list,
+    full_list, num_steps, first); step j visits tile first + `tile_at(j, ...)`. Explicit: the
+    head's PARTIAL list, then its FULL one (lists: num, indices, full num, full indices at the
+    list head of the group's first head; list_strides: the launch's, per-head strides 0 where the
+    schedule broadcasts heads, then the list head divisor); implicit: tiles [first_m, end_m)."""
     part_num, part_list, full_num, full_list = lists
-    _, stride_pnh, _, _, stride_pih, _, _, stride_fnh, _, _, stride_fih, _ = list_strides
+    (_, stride_pnh, _, _, stride_pih, _, _, stride_fnh, _, _, stride_fih, _,
+     head_div) = list_strides
     if EXPLICIT:
-        num_part = gl.load(part_num + h * stride_pnh)
-        num_steps = num_part + gl.load(full_num + h * stride_fnh)
-        part_list += h * stride_pih
-        full_list += h * stride_fih
+        # lists with fewer heads than the queries: heads of the group may share one
+        list_h = (first_head + h) // head_div - first_head // head_div
+        num_part = gl.load(part_num + list_h * stride_pnh)
+        num_steps = num_part + gl.load(full_num + list_h * stride_fnh)
+        part_list += list_h * stride_pih
+        full_list += list_h * stride_fih
         first = 0
     else:
         num_part = 0
@@ -123,7 +126,7 @@ def _load_q_do(loads, num_heads, delta_row0, group, list_strides, mask_head_div,
     for h in range(group):
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
-            h, lists, list_strides, first_m, end_m, EXPLICIT)
+            off_hk * group, h, lists, list_strides, first_m, end_m, EXPLICIT)
         mask_row = mask_row0 + (head // mask_head_div) * seqlen_q
         # the list entry of step j + 1 is read during step j
         next_tile = first + tile_at(0, num_part, head_part, head_full, EXPLICIT)
@@ -566,7 +569,7 @@ def _key_gradients(program, dq_smem, group, list_strides, mask_layout, bias_layo
     for h in range(group):
         head = off_hk * group + h
         num_part, head_part, head_full, num_steps, first = _head_steps(
-            h, lists, list_strides, first_m, end_m, EXPLICIT)
+            off_hk * group, h, lists, list_strides, first_m, end_m, EXPLICIT)
         if EXPLICIT:
             num_masked = num_part
             whole_end = num_steps
@@ -716,7 +719,7 @@ def _bwd_hopper_kernel(
     heads, group, B * H: delta's first row in the stats), window (diag offset, left, right),
     scales (qk_scale_log2, softmax_scale), pairs (`key_tile_grid`'s (batch, KV head) pairs and
     pairs per group), list_strides ((batch, head, key tile) of the transposed lists' num,
-    indices, full num, full indices), mask_layout / bias_layout (batch, head, row, column
+    indices, full num, full indices, then the list head divisor), mask_layout / bias_layout (batch, head, row, column
     strides, head divisor), dbias_strides (batch, head, row, column), dk_strides / dv_strides
     (row, head). MASK_FORM / BIAS_FORM: `ElementForm`s. The partitions take these tuples as
     they come (`_key_gradients`); what the kernel computes with is unpacked here."""
@@ -763,7 +766,7 @@ def _bwd_hopper_kernel(
     if start_n + BLOCK_N > seqlen_k:
         first_full = end_m  # keys past Sk in every tile
         last_full = end_m
-    # the transposed lists of the group's first head (per-head strides in the partitions)
+    # the transposed lists of the group's first head (per-head steps in the partitions)
     lists = schedule_rows(QNum, QIdx, FullQNum, FullQIdx, off_b, off_hk * group, tile_n,
                           *list_strides)
     # int64: batch / key offsets of a (B, H, Sq, Sk) mask or bias pass 2**31 elements
@@ -970,7 +973,7 @@ def hopper_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                           q.device)
     half_n = cfg.block_n // 2
     stats_desc = stats_descriptor(row_stats, cfg.block_m)
-    lists = schedule.operands() if schedule is not None \
+    lists = schedule.operands(num_heads) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     one_column_dbias = dbias is not None and bias.cols_shared and not bias.rows_shared

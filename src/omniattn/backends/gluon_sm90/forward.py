@@ -470,8 +470,8 @@ def _fwd_hopper_kernel(
 ):
     """Tensors and descriptors are arguments of their own (call plans replay a launch by setting
     them); their scalars come in tuples, in the order the launcher flattens: lse_strides (batch,
-    head), list_strides ((batch, head, row) of the lists' num, indices, full num, full indices),
-    mask_layout / bias_layout (batch, head, row, column strides, head divisor), shape (Sq, Sk,
+    head), list_strides ((batch, head, row) of the lists' num, indices, full num, full indices,
+    then the list head divisor), mask_layout / bias_layout (batch, head, row, column strides, head divisor), shape (Sq, Sk,
     heads, group), window (diag offset, left, right), q_strides / out_strides (batch, row, head).
     MASK_FORM / BIAS_FORM: `ElementForm`s."""
     stride_lb, stride_lh = lse_strides
@@ -660,7 +660,7 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     flat = packed is not None or flat_launch(seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, q, k,
                                              v, out)
     even = packed is None
-    lists = schedule.operands() if schedule is not None \
+    lists = schedule.operands(num_heads) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     # (tensor, its (batch, head, row, column) strides, head divisor)

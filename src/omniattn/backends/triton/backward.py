@@ -34,7 +34,7 @@ def _zero_unlisted(buffer: torch.Tensor, strides, lists: TileLists, transposed: 
         n_rows, n_cols = n_cols, n_rows
     launch(zero_unlisted_kernel, (n_rows * n_cols, batch * heads),
         buffer, *strides, seqlen_q, seqlen_k, heads, n_cols,
-        *lists.operands(),
+        *tensors_then_tuple(lists.operands(heads), 4),
         BLOCK_M=lists.block_m, BLOCK_N=lists.block_n, COLS=next_power_of_2(n_cols),
         TRANSPOSED=transposed,
     )
@@ -96,8 +96,8 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
     n_tiles_m = cdiv(seqlen_q, block_m2)
     n_tiles_n = cdiv(seqlen_k, block_n1)
     if schedule is not None:
-        fwd_sched = schedule.dq.operands()
-        t_sched = schedule.dkdv.operands()
+        fwd_sched = schedule.dq.operands(num_heads)
+        t_sched = schedule.dkdv.operands(num_heads)
     else:
         fwd_sched = t_sched = TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)

@@ -289,9 +289,9 @@ def _dkdv_program(
     per query head, or summed over the heads into slot `kv_slot` when DBIAS_PER_QHEAD is off.
     With ATOMIC_DQ and WITH_DK also each query head's dQ share, added into the fp32 DQ.
     Grouped arguments: the tensors' strides ((batch, row, head) / lse (batch, head)), the
-    schedule's lists (num, indices, full num, full indices) and their strides (three each),
-    mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
-    (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
+    schedule's lists (num, indices, full num, full indices) and their strides (three each, then
+    the list head divisor), mask_view / bias_view ((batch base, head, row, column strides, head
+    divisor)), dbias_view (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
     strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
     rng (seed, batch base, head stride, row stride, dropout_p), topk_view (bwd_kernel's);
     MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared)."""
@@ -303,7 +303,8 @@ def _dkdv_program(
     stride_dqb, stride_dqm, stride_dqh = dq_strides
     QNum, QIdx, FullQNum, FullQIdx = lists
     (stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin) = list_strides
+     stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+     list_head_div) = list_strides
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div = mask_view
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div = bias_view
     dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
@@ -361,7 +362,8 @@ def _dkdv_program(
         part_num, part_idx, full_num, full_idx = schedule_rows(
             QNum, QIdx, FullQNum, FullQIdx, off_b, off_h, tile_n,
             stride_qnb, stride_qnh, stride_qnn, stride_qib, stride_qih, stride_qin,
-            stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin)
+            stride_gnb, stride_gnh, stride_gnn, stride_gib, stride_gih, stride_gin,
+            list_head_div)
         for phase in tl.static_range(3):
             tile_list, first_tile, num_tiles = schedule_phase(
                 phase, EXPLICIT, QIdx, part_num, part_idx, full_num, full_idx,
@@ -419,9 +421,9 @@ def _dq_program(
     tiles, in the slot of query head `off_h`. ROW_ORDER: q, dO, lse and delta come in length
     order, row r's dQ goes to the caller's row row_order[r].
     Grouped arguments: the tensors' strides ((batch, row, head) / lse (batch, head)), the
-    schedule's lists (num, indices, full num, full indices) and their strides (three each),
-    mask_view / bias_view ((batch base, head, row, column strides, head divisor)), dbias_view
-    (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
+    schedule's lists (num, indices, full num, full indices) and their strides (three each, then
+    the list head divisor), mask_view / bias_view ((batch base, head, row, column strides, head
+    divisor)), dbias_view (batch base, head, row, column strides), bits (batch base, head, query-block, key-block
     strides, the bitmaps), window (diag_offset, left, right), scores (`scores_log2`'s terms),
     rng (seed, batch base, head stride, row stride, dropout_p), topk_view (bwd_kernel's);
     MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared)."""
@@ -431,7 +433,8 @@ def _dq_program(
     stride_lb, stride_lh = lse_strides
     KvNum, KvIdx, FullKvNum, FullKvIdx = lists
     (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim) = list_strides
+     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+     list_head_div) = list_strides
     mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div = mask_view
     bias_batch, stride_bh, stride_bm, stride_bn, bias_head_div = bias_view
     dbias_batch, stride_dbh, stride_dbm, stride_dbn = dbias_view
@@ -486,7 +489,7 @@ def _dq_program(
     part_num, part_idx, full_num, full_idx = schedule_rows(
         KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
         stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
+        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim, list_head_div)
     for phase in tl.static_range(3):
         tile_list, first_tile, num_tiles = schedule_phase(
             phase, EXPLICIT, KvIdx, part_num, part_idx, full_num, full_idx,
@@ -548,8 +551,8 @@ def bwd_kernel(
     Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
     rest is grouped: the tensors' strides ((batch, row, head) / lse and delta (batch, head)),
     list_strides ((b, h, row) of each of the four lists of key tiles per query tile, which the
-    dQ programs walk, then of the four of query tiles per key tile, which the dK/dV programs
-    walk), mask_layout / bias_layout (batch, head, row, column strides, head divisor),
+    dQ programs walk, and their list head divisor, then the same of the four of query tiles per
+    key tile, which the dK/dV programs walk), mask_layout / bias_layout (batch, head, row, column strides, head divisor),
     dbias_strides (batch, head, row, column), bit_strides (b, h, query block, key block),
     topk_layout (TopkTerm.operands' strides), shape (seqlen_q, seqlen_k, num_heads, group: query
     heads per KV head, n_tiles_n key tiles, n_tiles_m query tiles), window (diag_offset, left,

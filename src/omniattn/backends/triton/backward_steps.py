@@ -112,22 +112,19 @@ def bwd_preprocess(
 @triton.jit
 def zero_unlisted_kernel(
     Buf, stride_bb, stride_bh, stride_bm, stride_bn, seqlen_q, seqlen_k, num_heads, n_cols,
-    Num, Idx, FullNum, FullIdx,
-    stride_nb, stride_nh, stride_nr, stride_ib, stride_ih, stride_ir,
-    stride_fnb, stride_fnh, stride_fnr, stride_fib, stride_fih, stride_fir,
+    Num, Idx, FullNum, FullIdx, list_strides,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
-    """Zeros into one (BLOCK_M, BLOCK_N) tile of one (batch, head) if the lists of its row (a
-    query tile, or a key tile when TRANSPOSED) leave it out: the tiles no backward program
-    writes. Lists in any order; COLS >= n_cols (a power of two)."""
+    """Zeros into one (BLOCK_M, BLOCK_N) tile of one (batch, query head) if the lists of its row
+    (a query tile, or a key tile when TRANSPOSED) leave it out: the tiles no backward program
+    writes. Lists in any order; COLS >= n_cols (a power of two); list_strides: TileLists.operands'
+    strides and list head divisor."""
     row = tl.program_id(0) // n_cols
     col = tl.program_id(0) % n_cols
     off_b = tl.program_id(1) // num_heads
     off_h = tl.program_id(1) % num_heads
     part_num, part_idx, full_num, full_idx = schedule_rows(
-        Num, Idx, FullNum, FullIdx, off_b, off_h, row,
-        stride_nb, stride_nh, stride_nr, stride_ib, stride_ih, stride_ir,
-        stride_fnb, stride_fnh, stride_fnr, stride_fib, stride_fih, stride_fir)
+        Num, Idx, FullNum, FullIdx, off_b, off_h, row, *list_strides)
     slots = tl.arange(0, COLS)
     listed_part = tl.load(part_idx + slots, mask=slots < tl.load(part_num), other=-1)  # [COLS]
     listed_full = tl.load(full_idx + slots, mask=slots < tl.load(full_num), other=-1)

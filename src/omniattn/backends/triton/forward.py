@@ -135,7 +135,7 @@ def _fwd_kernel(
     """Out and Lse of query tile program_id(0) of (batch x query head) program_id(1).
     Tensors are arguments of their own (a call plan's replay sets only top-level pointers); the
     rest is grouped: the tensors' strides ((batch, row, head) / lse (batch, head)), the lists'
-    strides ((b, h, row) of each of the four), mask_layout / bias_layout (batch, head, row,
+    strides ((b, h, row) of each of the four, then the list head divisor), mask_layout / bias_layout (batch, head, row,
     column strides, head divisor), bit_strides (b, h, query block, key block), shape (seqlen_q,
     seqlen_k, num_heads, group: query heads per KV head), window (diag_offset, left, right),
     scores (`scores_log2`'s scale and softcap terms), rng (seed, dropout_p); TILE (BLOCK_M,
@@ -149,7 +149,8 @@ def _fwd_kernel(
     stride_ob, stride_om, stride_oh = out_strides
     stride_lb, stride_lh = lse_strides
     (stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim) = list_strides
+     stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim,
+     list_head_div) = list_strides
     stride_mb, stride_mh, stride_mm, stride_mn, mask_head_div = mask_layout
     stride_bb, stride_bh, stride_bm, stride_bn, bias_head_div = bias_layout
     stride_sb, stride_sh, stride_sq, stride_sk = bit_strides
@@ -263,7 +264,7 @@ def _fwd_kernel(
     kv_num, kv_idx, full_num, full_idx = schedule_rows(
         KvNum, KvIdx, FullKvNum, FullKvIdx, off_b, off_h, tile_m,
         stride_knb, stride_knh, stride_knm, stride_kib, stride_kih, stride_kim,
-        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim)
+        stride_fnb, stride_fnh, stride_fnm, stride_fib, stride_fih, stride_fim, list_head_div)
     # phases: PARTIAL tiles, FULL tiles, PARTIAL tiles (the last only for implicit schedules)
     for phase in tl.static_range(3):
         tile_list, first_tile, num_tiles = schedule_phase(
@@ -333,7 +334,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: Kern
     n_tiles_m = cdiv(seqlen_q, block_m)
     even_m = packed is None and seqlen_q % block_m == 0
     even_n = packed is None and seqlen_k % block_n == 0
-    lists = schedule.operands() if schedule is not None \
+    lists = schedule.operands(num_heads) if schedule is not None \
         else TileLists.placeholder_operands(q.device)
     unused = Elementwise.placeholder_operands(q.device)
     with descriptor_workspace():
