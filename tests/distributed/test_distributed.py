@@ -42,6 +42,37 @@ def test_matches_single_process(gloo, case: Case):
     assert gloo["results"][case.id] == "ok", gloo["results"][case.id]
 
 
+# ring cases that must hand rows off, per world size: a window block mask with key bias as the
+# scaling benchmark's (both sizes; at 3 a chain: rank 1 takes rank 2's rows and hands its own to
+# rank 0), contiguous causal (at 3 all the last rank's rows that see rank 0's keys), a narrow
+# window with key bias (at 2; at 3 the busiest rank is within the margin)
+HANDING_OFF = {
+    2: ["ring-zigzag-window_fine_blocks", "ring-contiguous-window_fine_blocks",
+        "ring-contiguous-causal", "ring-contiguous-key_bias", "ring-zigzag-narrow_window",
+        "ring-contiguous-narrow_window"],
+    3: ["ring-zigzag-window_fine_blocks", "ring-contiguous-window_fine_blocks",
+        "ring-contiguous-causal", "ring-contiguous-key_bias"],
+}
+
+
+def test_ring_hands_rows_off(gloo):
+    """Where the cost model finds the ring imbalanced, rows are handed off and the modelled
+    busiest / mean drops (explain's plan); the outputs, lse and every gradient of those cases
+    equal the single-process call's (test_matches_single_process), which a part computed twice
+    or left out would break."""
+    world, handoffs = gloo["world"], gloo["handoffs"]
+    for case_id in HANDING_OFF[world]:
+        plan = handoffs[case_id]
+        assert plan["offloads"] and plan["after"] < plan["before"] - 0.02, (case_id, plan)
+        assert gloo["results"][case_id] == "ok", gloo["results"][case_id]
+    assert all(p["after"] <= p["before"] for p in handoffs.values())
+    assert not handoffs["ring-zigzag-causal"]["offloads"]  # zigzag balances causal itself
+    if world == 3:
+        assert handoffs["ring-zigzag-window_fine_blocks"]["chains"] == [1]
+        assert handoffs["ring-contiguous-causal"]["whole"] == [
+            "rows [64, 96) of rank 2 computed by rank 0 against its own keys [0, 32)"]
+
+
 def test_ring_backward_runs_no_forward(gloo):
     """The ring's backward: one local backward call per piece, from the merged out and lse,
     and no forward call (counted at the pieces' calls)."""
@@ -135,6 +166,7 @@ def test_nccl_two_gpus_bf16(tmp_path):
     only += ["ring-zigzag-window_blocks", "ring-contiguous-window_blocks",
              "ring-zigzag-block_documents", "ring-zigzag-row_lengths",
              "ring-contiguous-narrow_window", "ring-zigzag-everything-odd_heads",
+             "ring-zigzag-window_fine_blocks", "ring-contiguous-causal",
              "ulysses-zigzag-topk", "allgather-contiguous-topk", "ring-backward_without_forward"]
     outcome = _spawn(2, "nccl", "bfloat16", shapes, tmp_path, only=only)
     assert set(only) <= set(outcome["results"]), sorted(outcome["results"])
