@@ -537,8 +537,8 @@ def run_explain(shapes: Shapes, device) -> dict[str, str]:
 
 def run_groups(shapes: Shapes, device, dtype, record) -> None:
     """The same call on other groups than the default one: a 1-D DeviceMesh cut from a 2-D
-    one, a subgroup whose ranks are not the global ones (the ring's neighbours are looked up),
-    and a group of one rank."""
+    one, a subgroup whose ranks are not the global ones (the ring's neighbours and the ranks
+    taking rows handed off are looked up), and a group of one rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -551,6 +551,9 @@ def run_groups(shapes: Shapes, device, dtype, record) -> None:
     if world > 2 and rank in (0, world - 1):
         record("group-subgroup", lambda: run_case(Case("ring", "zigzag", "causal"), shapes,
                                                   device, dtype, 2, group=first_last))
+        # rows handed from the subgroup's rank 1 (global world - 1) to its rank 0
+        record("group-subgroup-handoff", lambda: run_case(
+            Case("ring", "contiguous", "causal"), shapes, device, dtype, 4, group=first_last))
     for method in METHODS:
         record(f"group-one_rank-{method}", lambda: run_case(
             Case(method, "zigzag", "everything"), shapes, device, dtype, 3, group=alone[rank]))

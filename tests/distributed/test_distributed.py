@@ -81,10 +81,10 @@ def test_ring_backward_runs_no_forward(gloo):
 
 
 def test_other_groups(gloo):
-    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3), one
-    rank alone."""
+    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3; with
+    rows handed off between them), one rank alone."""
     outcomes = {name: r for name, r in gloo["results"].items() if name.startswith("group-")}
-    assert len(outcomes) >= 4
+    assert len(outcomes) >= (6 if gloo["world"] > 2 else 4)
     assert all(r == "ok" for r in outcomes.values()), outcomes
 
 
