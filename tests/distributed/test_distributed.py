@@ -354,6 +354,7 @@ BALANCE_CASES = [  # (layout, world, chunk, causal, window, window block mask (w
     ("zigzag", 3, 128, True, (128, -1), None), ("zigzag", 4, 128, True, (128, -1), None),
     ("zigzag", 2, 128, False, None, (128, 16)), ("zigzag", 3, 128, False, None, (128, 16)),
     ("contiguous", 3, 128, False, None, (128, 16)), ("zigzag", 4, 256, False, None, (512, 32)),
+    ("contiguous", 2, 1000, True, None, None),  # granules of 8 rows: 1000 is no multiple of 16
 ]
 
 
@@ -448,3 +449,14 @@ def test_balance_of_the_scaling_benchmark():
                                                   Chunk(0, 0, 32768))
     assert max(found.before) * 2 / sum(found.before) == pytest.approx(8 / 7)
     assert max(found.after) * 2 / sum(found.after) == pytest.approx(1.0002, abs=1e-4)
+
+
+def test_granules():
+    """Slices of 128 rows (a GPU query tile), fewer in chunks shorter than 16 of them or not
+    a multiple of them; a block mask's query blocks."""
+    from omniattn.distributed.balance import granule
+
+    assert [granule(n, None) for n in (32768, 2048, 1000, 64, 16, 15)] == \
+        [128, 128, 8, 4, 1, 1]
+    mask = omniattn.window_block_mask(256, 256, (64, 0), causal=True, block_size=(32, 16))
+    assert granule(64, mask) == 32

@@ -31,8 +31,9 @@ from .visibility import layout_chunks, rank_work, row_work, visibility
 # one more local call (and merge) for it.
 MARGIN = 0.05
 # Rows move in multiples of a query tile of the GPU kernels (128), so a slice leaves neither rank
-# a partial tile; chunks shorter than MIN_GRANULES tiles take smaller granules, so that a slice
-# can still be sized. A block mask's slices are whole query blocks (its parts start on its grid).
+# a partial tile; chunks shorter than MIN_GRANULES tiles (or not a multiple of one) take the
+# largest power of two that fits, so that a slice can still be sized. A block mask's slices are
+# whole query blocks (its parts start on its grid).
 TILE_ROWS = 128
 MIN_GRANULES = 16
 
@@ -84,7 +85,7 @@ def granule(length: int, block_mask: BlockMask | None) -> int:
     if block_mask is not None:
         return block_mask.block_size[0]
     rows = TILE_ROWS
-    while rows > 1 and length < MIN_GRANULES * rows:
+    while rows > 1 and (length < MIN_GRANULES * rows or length % rows):
         rows //= 2
     return rows
 
