@@ -43,7 +43,7 @@ class Offload:
     """Global rows [rows.start, rows.stop) of rank `owner` (stored from rows.local in its
     shard), computed by rank `helper` against its own key chunk `keys` (global start, stored
     from keys.local in the helper's shard); `work` the modelled pairs moved; `whole`: these are
-    all the rows of the owner's chunk that see `keys`, so the owner needs none of them."""
+    all the rows of the owner's chunk that see `keys`, which that chunk then needs no more."""
 
     owner: int
     helper: int
@@ -146,13 +146,12 @@ def _balanced(layout, world, seqlen, predicate, block_mask) -> Balance:
                 if part is None:
                     continue
                 # the lower the pair's busier rank ends, the better; then the fewer rows moved
-                rank = (max(work[busy] - part.work, work[helper] + part.work),
-                        part.granules[1] - part.granules[0])
-                if rank[0] < work[busy] and (found is None or rank < found[0]):
+                score = (max(work[busy] - part.work, work[helper] + part.work),
+                         part.granules[1] - part.granules[0])
+                if score[0] < work[busy] and (found is None or score < found[0]):
                     first, stop = (g * step for g in part.granules)
-                    found = (rank, Offload(busy, helper, Chunk(rows.start + first,
-                                                               rows.local + first, stop - first),
-                                           keys, part.work, part.whole))
+                    sliced = Chunk(rows.start + first, rows.local + first, stop - first)
+                    found = (score, Offload(busy, helper, sliced, keys, part.work, part.whole))
         if found is None:
             break
         offload = found[1]
