@@ -9,7 +9,7 @@ import json
 import os
 import re
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -49,11 +49,18 @@ MASKS = ("none", "causal", "window", "causal_window", "softcap_scale", "key_bias
          "block_random_causal", "block_documents", "row_lengths", "everything")
 # masks under which some rank sees none of another's keys: the ring skips those shards
 SKIPPING_MASKS = ("narrow_window", "band", "window_blocks", "short_rows")
+# masks whose ring cases hand rows to lighter ranks at both world sizes (with others: contiguous
+# causal, a narrow window at P = 2)
+OFFLOADING_MASKS = ("window_fine_blocks",)
+# masks run on chunks this many times longer: blocks of 16 (a BlockMask's smallest) that slice
+# a chunk finely enough for the ring's hand-offs to balance
+CHUNK_SCALE = {"window_fine_blocks": 8}
 
 
 def cases() -> list[Case]:
     found = [Case(m, layout, mask) for m in METHODS for layout in LAYOUTS for mask in MASKS]
-    found += [Case("ring", layout, mask) for layout in LAYOUTS for mask in SKIPPING_MASKS]
+    found += [Case("ring", layout, mask) for layout in LAYOUTS
+              for mask in SKIPPING_MASKS + OFFLOADING_MASKS]
     found += [Case(m, layout, mask, odd_heads=True) for m in ("ring", "allgather")
               for layout in LAYOUTS for mask in ("causal", "everything")]
     if "topk" in inspect.signature(_local_attention()).parameters:
@@ -123,6 +130,11 @@ def _arguments(mask: str, shapes: Shapes, seqlen: int, heads: tuple[int, int], d
                                                          causal=True, block_size=chunk,
                                                          device=device),
                 "attn_bias": randn(1, heads_q, 1, seqlen)}
+    if mask == "window_fine_blocks":  # the scaling benchmark's case: a window S/4 at P = 2
+        return {"block_mask": omniattn.window_block_mask(seqlen, seqlen, (chunk, 0),
+                                                         causal=True, block_size=16,
+                                                         device=device),
+                "attn_bias": randn(1, heads_q, 1, seqlen)}
     if mask == "short_rows":  # every row's keys lie in the first chunk (rank 0's)
         return {"seqlens_k_per_row": lengths(chunk), "causal": True}
     if mask == "topk":
@@ -163,12 +175,15 @@ def _compare(got, exact, plain, dtype) -> None:
             f"{name}: error {err:.3g} > 2 x single-process {base:.3g} + atol {atol:.1g}"
 
 
-def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -> None:
+def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None,
+             plans: dict | None = None) -> None:
     """One case on every rank of group (a ProcessGroup, a DeviceMesh or None: all ranks); the
-    group's first rank compares (raises AssertionError on a mismatch)."""
+    group's first rank compares (raises AssertionError on a mismatch). plans: where a ring
+    case's hand-offs and modelled balance go (`handoff_summary`), by case id."""
     from omniattn import distributed as cp
     from omniattn.distributed.sharding import resolve_group
 
+    shapes = replace(shapes, chunk=shapes.chunk * CHUNK_SCALE.get(case.mask, 1))
     world = dist.get_world_size(resolve_group(group))
     seqlen = shapes.chunk * 2 * world
     heads = (shapes.heads, shapes.heads_k)
@@ -196,8 +211,10 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -
                           (("topk_scores", 3), ("seqlens_k_per_row", 1)) if name in kwargs}}
     if "attn_bias" in kwargs:
         local["attn_bias"] = cp.shard(leaves[3], dim=3, **shard)
-    out, lse = cp.attention(*(cp.shard(t, **shard) for t in leaves[:3]), method=case.method,
-                            return_lse=True, **shard, **local)
+    sharded = [cp.shard(t, **shard) for t in leaves[:3]]
+    if plans is not None and case.method == "ring":
+        plans[case.id] = handoff_summary(cp.explain(*sharded, method="ring", **shard, **local))
+    out, lse = cp.attention(*sharded, method=case.method, return_lse=True, **shard, **local)
     out, lse = cp.unshard(out, **shard), cp.unshard(lse, dim=2, **shard)
     loss = (out * dout).sum() + (_masked_lse(lse) * dlse).sum()
     grads = torch.autograd.grad(loss, leaves)
@@ -208,10 +225,23 @@ def run_case(case: Case, shapes: Shapes, device, dtype, seed: int, group=None) -
         _compare(got, exact, plain, dtype)
 
 
+def handoff_summary(plan) -> dict:
+    """A ring plan's hand-offs and busiest / mean before and after them."""
+    def spread(work):
+        return max(work) * len(work) / sum(work) if sum(work) else 1.0
+
+    after = plan.balanced_work if plan.balanced_work is not None else plan.rank_work
+    return {"offloads": [o.describe() for o in plan.offloads],
+            "chains": sorted({o.owner for o in plan.offloads} & {o.helper for o in plan.offloads}),
+            "whole": [o.describe() for o in plan.offloads if o.whole],
+            "before": spread(plan.rank_work), "after": spread(after)}
+
+
 def run_backward_without_forward(shapes: Shapes, device, dtype) -> None:
     """The ring's backward runs no forward: counted at the pieces' local calls and at the
     kernels' forward launcher (under the interpreter or on GPUs), the backward makes as many
-    local backward calls as the forward made forward calls, and no forward call."""
+    local backward calls as the forward made forward calls, and no forward call; causal over
+    both layouts (contiguous: rows handed off, whose pieces count where they run)."""
     from omniattn import autograd
     from omniattn import distributed as cp
     from omniattn.distributed import pieces
@@ -235,23 +265,25 @@ def run_backward_without_forward(shapes: Shapes, device, dtype) -> None:
                    for heads in (shapes.heads, shapes.heads_k, shapes.heads_k))
         bias = torch.randn(1, shapes.heads_k, 1, seqlen, generator=generator).to(device, dtype)
         bias.requires_grad_()
-        out = cp.attention(*(cp.shard(t) for t in (q, k, v)), method="ring", causal=True,
-                           attn_bias=cp.shard(bias, dim=3))
-        forward_calls = calls["forward"]
-        calls.update(forward=0, kernel_forward=0)
-        out.square().sum().backward()
-        expected = {"forward": 0, "backward": forward_calls, "kernel_forward": 0}
-        assert forward_calls > 0 and calls == expected, \
-            f"forward: {forward_calls} local calls; backward: {calls}"
-        assert all(t.grad is not None for t in (q, k, v, bias))
+        for layout in LAYOUTS:
+            calls.update(forward=0, backward=0, kernel_forward=0)
+            out = cp.attention(*(cp.shard(t, layout=layout) for t in (q, k, v)),
+                               method="ring", causal=True, layout=layout,
+                               attn_bias=cp.shard(bias, dim=3, layout=layout))
+            forward_calls = calls["forward"]
+            calls.update(forward=0, kernel_forward=0)
+            out.square().sum().backward()
+            expected = {"forward": 0, "backward": forward_calls, "kernel_forward": 0}
+            assert forward_calls > 0 and calls == expected, \
+                f"{layout}: forward: {forward_calls} local calls; backward: {calls}"
+            assert all(t.grad is not None for t in (q, k, v, bias))
     finally:
         pieces.local_attention, pieces.local_backward, autograd._forward_impl = saved
 
 
-def _dense_needs(kwargs: dict, world: int, layout: str, seqlen: int) -> list[list[bool]]:
-    """needs[r][s]: some row of rank r sees some key of rank s, from every (row, key) pair of
-    the causal / window predicate and the per-row key lengths (any batch)."""
-    from omniattn.distributed.layout import to_shards
+def _dense_visible(kwargs: dict, seqlen: int) -> torch.Tensor:
+    """bool (S, S): some batch's row i sees key j under the causal / window predicate and the
+    per-row key lengths."""
     from omniattn.predicate import RelativePredicate
 
     positions = torch.arange(seqlen)
@@ -260,7 +292,14 @@ def _dense_needs(kwargs: dict, world: int, layout: str, seqlen: int) -> list[lis
     if "seqlens_k_per_row" in kwargs:
         longest = kwargs["seqlens_k_per_row"].cpu().amax(0)
         visible = visible & (positions[None, :] < longest[:, None])
-    held = to_shards(positions, layout, world, 0)
+    return visible
+
+
+def _dense_needs(visible: torch.Tensor, world: int, layout: str) -> list[list[bool]]:
+    """needs[r][s]: some row of rank r sees some key of rank s in the (S, S) picture."""
+    from omniattn.distributed.layout import to_shards
+
+    held = to_shards(torch.arange(visible.shape[0]), layout, world, 0)
     return [[bool(visible[held[r]][:, held[s]].any()) for s in range(world)]
             for r in range(world)]
 
@@ -270,7 +309,11 @@ def run_ring_messages(shapes: Shapes, device, dtype) -> None:
     counted at torch.distributed.batch_isend_irecv, are exactly its K/V (and key bias) to the
     ranks whose rows see them and back from the ranks whose keys its rows see (forward, and
     again in the backward, where the float32 gradients of each received shard go back to its
-    owner); every rank's count is checked on every rank, and some pair must be skipped."""
+    owner), leaving out the rows handed to the keys' owner (explain's offloads); and for each
+    hand-off, the rows of it that see those keys: q out and (out, lse) back in the forward,
+    (dout, out, lse, dlse) out and dq back in the backward. Every rank's count is checked on
+    every rank; some pair must be skipped, some rows handed off, and some pair of ranks spared
+    its K/V by a hand-off of every row that sees them."""
     from collections import Counter
 
     from omniattn import distributed as cp
@@ -286,9 +329,9 @@ def run_ring_messages(shapes: Shapes, device, dtype) -> None:
                     op.tensor.dtype) for op in ops)
         return real(ops)
 
-    problems, skipped = [], 0
+    problems, skipped, handed, spared = [], 0, 0, 0
     for layout in LAYOUTS:
-        for mask in ("narrow_window", "short_rows"):
+        for mask in ("narrow_window", "short_rows", "causal"):
             generator = torch.Generator().manual_seed(11)
             kwargs = _arguments(mask, shapes, seqlen, heads, device, generator)
             q, k, v = (torch.randn(shapes.batch, seqlen, h, shapes.head_dim,
@@ -304,6 +347,7 @@ def run_ring_messages(shapes: Shapes, device, dtype) -> None:
                 key_side.append(local["attn_bias"])
             leaves = [cp.shard(q, **shard).requires_grad_()] + \
                 [t.requires_grad_() for t in key_side[:2]]
+            offloads = cp.explain(*leaves, method="ring", **shard, **local).offloads
             dist.batch_isend_irecv = logged
             try:
                 out = cp.attention(*leaves, method="ring", **shard, **local)
@@ -314,26 +358,52 @@ def run_ring_messages(shapes: Shapes, device, dtype) -> None:
                 log.clear()
             finally:
                 dist.batch_isend_irecv = real
-            needs = _dense_needs(kwargs, world, layout, seqlen)
-            expected = Counter()
-            gradients = Counter()
+            visible = _dense_visible(kwargs, seqlen)
+            kept = visible.clone()
+            kv, gradients, handoffs_out, handoffs_back = (Counter() for _ in range(4))
+            row = shapes.batch * heads[0] * shapes.head_dim  # one row of q, out, dout, dq
+            row_lse = shapes.batch * heads[0]
+            for o in offloads:
+                kept[o.rows.start:o.rows.stop, o.keys.start:o.keys.stop] = False
+                seeing = visible[o.rows.start:o.rows.stop, o.keys.start:o.keys.stop].any(1)
+                first, last = seeing.nonzero().flatten()[[0, -1]].tolist()
+                rows = last - first + 1
+                if rank not in (o.owner, o.helper):
+                    continue
+                owner = rank == o.owner
+                mine, theirs = ("send", "receive") if owner else ("receive", "send")
+                peer = o.helper if owner else o.owner
+                handoffs_out[mine, peer, rows * row, dtype] += 1  # q
+                handoffs_out[theirs, peer, rows * row, dtype] += 1  # out
+                handoffs_out[theirs, peer, rows * row_lse, torch.float32] += 1  # lse
+                handoffs_back[mine, peer, rows * row, dtype] += 2  # dout, out
+                handoffs_back[mine, peer, rows * row_lse, torch.float32] += 2  # lse, dlse
+                handoffs_back[theirs, peer, rows * row, dtype] += 1  # dq
+            needs = _dense_needs(kept, world, layout)
             for other in (r for r in range(world) if r != rank):
                 for t in key_side:
                     if needs[other][rank]:
-                        expected["send", other, t.numel(), t.dtype] += 1
+                        kv["send", other, t.numel(), t.dtype] += 1
                         gradients["receive", other, t.numel(), torch.float32] += 1
                     if needs[rank][other]:
-                        expected["receive", other, t.numel(), t.dtype] += 1
+                        kv["receive", other, t.numel(), t.dtype] += 1
                         gradients["send", other, t.numel(), torch.float32] += 1
-            if forward != expected or backward != expected + gradients:
+            if forward != kv + handoffs_out or backward != kv + gradients + handoffs_back:
                 problems.append(f"rank {rank}, {layout} {mask}: forward {dict(forward)}, "
-                                f"expected {dict(expected)}; backward {dict(backward)}, "
-                                f"expected {dict(expected + gradients)}")
+                                f"expected {dict(kv + handoffs_out)}; backward "
+                                f"{dict(backward)}, expected "
+                                f"{dict(kv + gradients + handoffs_back)}")
             skipped += sum(not needs[r][s] for r in range(world) for s in range(world)
                            if r != s)
+            handed += len(offloads)
+            spared += sum(_dense_needs(visible, world, layout)[r][s] and not needs[r][s]
+                          for r in range(world) for s in range(world))
     everyone = [None] * world
     dist.all_gather_object(everyone, problems)
     assert skipped > 0, "no pair of ranks skipped: the masks test nothing"
+    assert handed > 0, "no rows handed off: the masks test no hand-off"
+    if world > 2:  # contiguous causal: the last rank's rows all computed by rank 0
+        assert spared > 0, "no K/V spared by a hand-off"
     assert not any(everyone), "\n".join(p for found in everyone for p in found)
 
 
@@ -467,8 +537,8 @@ def run_explain(shapes: Shapes, device) -> dict[str, str]:
 
 def run_groups(shapes: Shapes, device, dtype, record) -> None:
     """The same call on other groups than the default one: a 1-D DeviceMesh cut from a 2-D
-    one, a subgroup whose ranks are not the global ones (the ring's neighbours are looked up),
-    and a group of one rank."""
+    one, a subgroup whose ranks are not the global ones (the ring's neighbours and the ranks
+    taking rows handed off are looked up), and a group of one rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -481,6 +551,9 @@ def run_groups(shapes: Shapes, device, dtype, record) -> None:
     if world > 2 and rank in (0, world - 1):
         record("group-subgroup", lambda: run_case(Case("ring", "zigzag", "causal"), shapes,
                                                   device, dtype, 2, group=first_last))
+        # rows handed from the subgroup's rank 1 (global world - 1) to its rank 0
+        record("group-subgroup-handoff", lambda: run_case(
+            Case("ring", "contiguous", "causal"), shapes, device, dtype, 4, group=first_last))
     for method in METHODS:
         record(f"group-one_rank-{method}", lambda: run_case(
             Case(method, "zigzag", "everything"), shapes, device, dtype, 3, group=alone[rank]))
@@ -558,9 +631,10 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
         except Exception:  # noqa: BLE001 - recorded and reported by the test of that case
             results[name] = traceback.format_exc(limit=6)
 
+    handoffs: dict[str, dict] = {}
     for seed, case in enumerate(cases()):
         if only is None or case.id in only:
-            record(case.id, lambda: run_case(case, shapes, device, dtype, seed))
+            record(case.id, lambda: run_case(case, shapes, device, dtype, seed, plans=handoffs))
     if only is None or "ring-backward_without_forward" in only:
         record("ring-backward_without_forward",
                lambda: run_backward_without_forward(shapes, device, dtype))
@@ -574,6 +648,7 @@ def worker(rank: int, world: int, init_file: str, out_file: str, backend: str,
     plans = run_explain(shapes, device)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"world": world, "results": results, "plans": plans}, f)
+            json.dump({"world": world, "results": results, "plans": plans,
+                       "handoffs": handoffs}, f)
     dist.barrier()
     dist.destroy_process_group()

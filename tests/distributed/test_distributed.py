@@ -42,6 +42,37 @@ def test_matches_single_process(gloo, case: Case):
     assert gloo["results"][case.id] == "ok", gloo["results"][case.id]
 
 
+# ring cases that must hand rows off, per world size: a window block mask with key bias as the
+# scaling benchmark's (both sizes; at 3 a chain: rank 1 takes rank 2's rows and hands its own to
+# rank 0), contiguous causal (at 3 all the last rank's rows that see rank 0's keys), a narrow
+# window with key bias (at 2; at 3 the busiest rank is within the margin)
+HANDING_OFF = {
+    2: ["ring-zigzag-window_fine_blocks", "ring-contiguous-window_fine_blocks",
+        "ring-contiguous-causal", "ring-contiguous-key_bias", "ring-zigzag-narrow_window",
+        "ring-contiguous-narrow_window"],
+    3: ["ring-zigzag-window_fine_blocks", "ring-contiguous-window_fine_blocks",
+        "ring-contiguous-causal", "ring-contiguous-key_bias"],
+}
+
+
+def test_ring_hands_rows_off(gloo):
+    """Where the cost model finds the ring imbalanced, rows are handed off and the modelled
+    busiest / mean drops (explain's plan); the outputs, lse and every gradient of those cases
+    equal the single-process call's (test_matches_single_process), which a part computed twice
+    or left out would break."""
+    world, handoffs = gloo["world"], gloo["handoffs"]
+    for case_id in HANDING_OFF[world]:
+        plan = handoffs[case_id]
+        assert plan["offloads"] and plan["after"] < plan["before"] - 0.02, (case_id, plan)
+        assert gloo["results"][case_id] == "ok", gloo["results"][case_id]
+    assert all(p["after"] <= p["before"] for p in handoffs.values())
+    assert not handoffs["ring-zigzag-causal"]["offloads"]  # zigzag balances causal itself
+    if world == 3:
+        assert handoffs["ring-zigzag-window_fine_blocks"]["chains"] == [1]
+        assert handoffs["ring-contiguous-causal"]["whole"] == [
+            "rows [64, 96) of rank 2 computed by rank 0 against its own keys [0, 32)"]
+
+
 def test_ring_backward_runs_no_forward(gloo):
     """The ring's backward: one local backward call per piece, from the merged out and lse,
     and no forward call (counted at the pieces' calls)."""
@@ -50,10 +81,10 @@ def test_ring_backward_runs_no_forward(gloo):
 
 
 def test_other_groups(gloo):
-    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3), one
-    rank alone."""
+    """A 1-D DeviceMesh of a 2-D one, a subgroup of the first and last ranks (world 3; with
+    rows handed off between them), one rank alone."""
     outcomes = {name: r for name, r in gloo["results"].items() if name.startswith("group-")}
-    assert len(outcomes) >= 4
+    assert len(outcomes) >= (6 if gloo["world"] > 2 else 4)
     assert all(r == "ok" for r in outcomes.values()), outcomes
 
 
@@ -135,6 +166,7 @@ def test_nccl_two_gpus_bf16(tmp_path):
     only += ["ring-zigzag-window_blocks", "ring-contiguous-window_blocks",
              "ring-zigzag-block_documents", "ring-zigzag-row_lengths",
              "ring-contiguous-narrow_window", "ring-zigzag-everything-odd_heads",
+             "ring-zigzag-window_fine_blocks", "ring-contiguous-causal",
              "ulysses-zigzag-topk", "allgather-contiguous-topk", "ring-backward_without_forward"]
     outcome = _spawn(2, "nccl", "bfloat16", shapes, tmp_path, only=only)
     assert set(only) <= set(outcome["results"]), sorted(outcome["results"])
@@ -300,3 +332,131 @@ def test_needs_and_row_lengths():
     zigzag = visibility("zigzag", 2, 64, RelativePredicate(), None)
     assert zigzag.narrowed([16, 16, 16, 1]).needs(2) == ((True, False), (True, False))
     assert zigzag.narrowed([0, 17, 0, 0]).needs(2) == ((False, False), (True, True))
+
+
+def _dense_pairs(layout: str, world: int, seqlen: int, predicate: RelativePredicate, mask):
+    """float (S, S): the cost model's picture, each visible pair 1 (a block mask: its listed
+    blocks' area, averaged over its lists, with the predicate at blocks)."""
+    positions = torch.arange(seqlen)
+    if mask is None:
+        return predicate.holds(positions[:, None], positions[None, :], seqlen, seqlen).float()
+    block_q, block_k = mask.block_size
+    states = torch.minimum(mask.states, predicate.classify(seqlen, seqlen, block_q, block_k)) \
+        if not predicate.unbounded else mask.states
+    listed = (states != 0).float().mean((0, 1))
+    return listed.repeat_interleave(block_q, 0).repeat_interleave(block_k, 1)
+
+
+BALANCE_CASES = [  # (layout, world, chunk, causal, window, window block mask (window, block))
+    ("zigzag", 2, 16, True, (8, -1), None), ("contiguous", 2, 16, True, (8, -1), None),
+    ("contiguous", 2, 16, True, None, None), ("contiguous", 3, 16, True, None, None),
+    ("contiguous", 3, 16, True, (8, -1), None),
+    ("zigzag", 3, 128, True, (128, -1), None), ("zigzag", 4, 128, True, (128, -1), None),
+    ("zigzag", 2, 128, False, None, (128, 16)), ("zigzag", 3, 128, False, None, (128, 16)),
+    ("contiguous", 3, 128, False, None, (128, 16)), ("zigzag", 4, 256, False, None, (512, 32)),
+    ("contiguous", 2, 1000, True, None, None),  # granules of 8 rows: 1000 is no multiple of 16
+]
+
+
+@pytest.mark.parametrize("layout,world,chunk,causal,window,blocks", BALANCE_CASES)
+def test_balance_hands_rows_to_lighter_ranks(layout, world, chunk, causal, window, blocks):
+    """Each hand-off is a granule-aligned run of the owner's rows against a key chunk the
+    helper holds, moving the work the dense picture gives it, each (row chunk, key chunk) pair
+    once, never back against an earlier hand-off; `whole` exactly when no other row of the
+    chunk sees those keys; the busiest rank's work drops, and at P = 2 no slice a granule
+    longer or shorter would bring the two ranks closer."""
+    from omniattn.distributed.balance import balance, granule
+
+    seqlen = chunk * world * chunks_per_rank(layout)
+    predicate = RelativePredicate.make(causal, window)
+    mask = omniattn.window_block_mask(seqlen, seqlen, (blocks[0], 0), causal=True,
+                                      block_size=blocks[1]) if blocks else None
+    found = balance(layout, world, seqlen, predicate, mask)
+    dense = _dense_pairs(layout, world, seqlen, predicate, mask)
+    owned = layout_chunks(layout, world, seqlen)
+    length = owned[0][1].length
+    step = granule(length, mask)
+    assert found.offloads and max(found.after) < max(found.before)
+    assert found.before == rank_work(layout, world, seqlen, predicate, mask)
+    work = list(found.before)
+    pairs, directions = set(), set()
+    for o in found.offloads:
+        chunk_rows = owned[o.rows.start // length]
+        assert owned[o.keys.start // length] == (o.helper, o.keys)
+        assert chunk_rows[0] == o.owner and o.rows.start % step == 0 and o.rows.length % step == 0
+        assert o.rows.local - chunk_rows[1].local == o.rows.start - chunk_rows[1].start
+        moved = float(dense[o.rows.start:o.rows.stop, o.keys.start:o.keys.stop].sum())
+        assert o.work == pytest.approx(moved) and moved > 0
+        rest = float(dense[chunk_rows[1].start:chunk_rows[1].stop,
+                           o.keys.start:o.keys.stop].sum()) - moved
+        assert o.whole == (rest == pytest.approx(0))
+        pair = (o.rows.start // length, o.keys.start // length)
+        assert pair not in pairs and (o.helper, o.owner) not in directions
+        pairs.add(pair)
+        directions.add((o.owner, o.helper))
+        work[o.owner] -= moved
+        work[o.helper] += moved
+    assert work == pytest.approx(list(found.after))
+    if world == 2:
+        (o,), (a, b) = found.offloads, sorted(found.before)
+        chunk_start = o.rows.start - o.rows.start % length
+        for stop in (o.rows.stop - step, o.rows.stop + step):
+            if o.rows.start < stop <= chunk_start + length:
+                other = float(dense[o.rows.start:stop, o.keys.start:o.keys.stop].sum())
+                assert abs(b - a - 2 * o.work) <= abs(b - a - 2 * other) + 1e-6
+
+
+@pytest.mark.parametrize("layout,world,causal,window", [
+    ("zigzag", 2, True, None), ("zigzag", 3, True, None), ("contiguous", 2, False, None),
+    ("zigzag", 3, True, (8, -1))])
+def test_balance_leaves_balanced_calls(layout, world, causal, window):
+    """Nothing handed off where the busiest rank is within the margin of the mean (zigzag
+    causal, no mask, a narrow window zigzag over 3 ranks)."""
+    from omniattn.distributed.balance import balance
+
+    seqlen = 16 * world * chunks_per_rank(layout)
+    found = balance(layout, world, seqlen, RelativePredicate.make(causal, window), None)
+    assert found.offloads == () and found.after == found.before
+
+
+def test_balance_hands_nothing_that_leaves_the_busiest_as_busy():
+    """Contiguous over 3 ranks, blocks of 16 in chunks of 48 listed as (3, 9, 9) blocks: rank 1
+    could hand rows to rank 0, but rank 2, as busy, sees only its own keys: no hand-off would
+    shorten the call, and none is made."""
+    from omniattn.distributed.balance import balance
+
+    blocks = torch.eye(9, dtype=torch.bool)
+    blocks[3:6, 0:2] = True  # rank 1's rows see rank 0's keys
+    blocks[6:9, 6:9] = True  # rank 2's rows see its own keys only
+    mask = omniattn.block_mask_from_blocks(blocks[None, None], 16)
+    found = balance("contiguous", 3, 144, RelativePredicate(), mask)
+    assert [w / 256 for w in found.before] == [3, 9, 9]
+    assert found.offloads == () and found.after == found.before
+
+
+def test_balance_of_the_scaling_benchmark():
+    """benchmarks/cp_scaling.py's key bias + causal window (S/4) block mask at 128k, blocks of
+    128, zigzag over 2 ranks: 1.5 : 2 units of work; rank 1's first 9600 rows of chunk 1 (75
+    blocks) against rank 0's chunk 0 leave 1.0002 : 1 (a 76th block: 1.0016)."""
+    from omniattn.distributed.balance import balance
+
+    seqlen = 131072
+    mask = omniattn.window_block_mask(seqlen, seqlen, (seqlen // 4, 0), causal=True,
+                                      block_size=128)
+    found = balance("zigzag", 2, seqlen, RelativePredicate(), mask)
+    (o,) = found.offloads
+    assert (o.owner, o.helper, o.rows, o.keys) == (1, 0, Chunk(32768, 0, 9600),
+                                                  Chunk(0, 0, 32768))
+    assert max(found.before) * 2 / sum(found.before) == pytest.approx(8 / 7)
+    assert max(found.after) * 2 / sum(found.after) == pytest.approx(1.0002, abs=1e-4)
+
+
+def test_granules():
+    """Slices of 128 rows (a GPU query tile), fewer in chunks shorter than 16 of them or not
+    a multiple of them; a block mask's query blocks."""
+    from omniattn.distributed.balance import granule
+
+    assert [granule(n, None) for n in (32768, 2048, 1000, 64, 16, 15)] == \
+        [128, 128, 8, 4, 1, 1]
+    mask = omniattn.window_block_mask(256, 256, (64, 0), causal=True, block_size=(32, 16))
+    assert granule(64, mask) == 32

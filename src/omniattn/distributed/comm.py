@@ -1,6 +1,7 @@
 """The collectives context parallelism uses, on one process group: all-gather and
 reduce-scatter of shards, the all-to-all between sequence and head shards (both differentiable
-where attention needs them), and the ring's non-blocking transfers between ranks a step apart."""
+where attention needs them), and the ring's non-blocking transfers between ranks a step apart
+and between the ranks that hand query rows off and compute them."""
 from __future__ import annotations
 
 import weakref
@@ -109,8 +110,9 @@ def heads_to_sequence(x, group, layout: str, seq_dim: int, head_dim: int) -> tor
 class RingExchange:
     """The ring's non-blocking transfers: at step t this rank sends to the rank t ahead and
     receives from the rank t behind (every rank at step t does the same, so the pairs match),
-    either side left out where no row needs it. Transfers are posted in step order on every
-    rank, so those between two ranks meet in the same order on both."""
+    either side left out where no row needs it; and batches between any ranks (`post`, the
+    rows handed off). Every rank posts them in one order (ring.py), so those between two ranks
+    meet in the same order on both."""
 
     # groups whose communicator is known to exist: NCCL creates it at a group's first call,
     # which every rank must join, and a step's transfers may leave ranks out
@@ -128,16 +130,25 @@ class RingExchange:
         """Posts `send` to the rank `step` ahead and the receipt of tensors shaped like
         `receive` from the rank `step` behind (a negative step: the other way round); None if
         neither."""
-        sends = [t.contiguous() for t in send] if send else []
-        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in receive] \
-            if receive else []
-        if not sends and not received:
+        ahead, behind = (self.rank + step) % self.world, (self.rank - step) % self.world
+        return self.post([(ahead, t) for t in send or []],
+                         [(behind, torch.empty(t.shape, dtype=t.dtype, device=t.device))
+                          for t in receive or []])
+
+    def post(self, sends: list[tuple[int, torch.Tensor]],
+             receives: list[tuple[int, torch.Tensor]]) -> "_Transfer | None":
+        """Posts each (rank in the group, tensor) of `sends` to that rank and the receipt of
+        each (rank, buffer) of `receives` into the buffer, as one batch; None if neither. The
+        transfer's wait() returns the buffers, in order."""
+        if not sends and not receives:
             return None
-        ahead = dist.get_global_rank(self.group, (self.rank + step) % self.world)
-        behind = dist.get_global_rank(self.group, (self.rank - step) % self.world)
-        ops = [dist.P2POp(dist.isend, t, ahead, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, behind, self.group) for t in received]
-        return _Transfer(dist.batch_isend_irecv(ops), received, sends)
+        sends = [(peer, t.contiguous()) for peer, t in sends]
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(self.group, peer), self.group)
+               for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(self.group, peer), self.group)
+                for peer, t in receives]
+        return _Transfer(dist.batch_isend_irecv(ops), [t for _, t in receives],
+                         [t for _, t in sends])
 
 
 class _Transfer:
@@ -148,4 +159,5 @@ class _Transfer:
     def wait(self) -> list[torch.Tensor]:
         for request in self.requests:
             request.wait()
+        self.requests = []  # waited once, whoever waits again
         return self.received

@@ -121,8 +121,8 @@ def cut(rows: Chunk, keys: Chunk, predicate: RelativePredicate) -> Piece | None:
 
 def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
                  block_mask: BlockMask) -> Piece | None:
-    """The piece of rows x keys (whole chunks) under a global block mask ANDed with
-    `predicate`, or None when the mask hides all of it."""
+    """The piece of rows x keys (a whole key chunk; rows starting on the mask's block grid)
+    under a global block mask ANDed with `predicate`, or None when the mask hides all of it."""
     part = block_mask_part(block_mask, (rows.start, rows.stop), (keys.start, keys.stop),
                            predicate)
     if part is None:
@@ -135,23 +135,34 @@ def masked_piece(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
 
 
 def pieces(row_chunks, key_chunks, predicate: RelativePredicate, block_mask: BlockMask | None,
-           by_position: bool, sees=None) -> list[Piece]:
+           by_position: bool, sees=None, given_away=None) -> list[Piece]:
     """This rank's pieces of its row chunks against the key chunks held, leaving out the pairs
-    for which sees(rows, keys) is False. Unmasked pieces next to each other in the shards
-    become one call, unless by_position (per-row key lengths count keys from a piece's first
-    global key, so its keys must be consecutive there)."""
+    for which sees(rows, keys) is False and the rows another rank computes: given_away maps
+    (row chunk start, key chunk start) to the global rows [a, b) of it handed off (balance.py).
+    Unmasked pieces next to each other in the shards become one call, unless by_position
+    (per-row key lengths count keys from a piece's first global key, so its keys must be
+    consecutive there)."""
     found = []
-    for rows in row_chunks:
+    for chunk in row_chunks:
         for keys in key_chunks:
-            if sees is not None and not sees(rows, keys):
+            if sees is not None and not sees(chunk, keys):
                 continue
-            piece = masked_piece(rows, keys, predicate, block_mask) if block_mask is not None \
-                else cut(rows, keys, predicate)
-            if piece is not None:
-                found.append(piece)
+            handed = (given_away or {}).get((chunk.start, keys.start))
+            for rows in _kept(chunk, handed) if handed is not None else (chunk,):
+                piece = masked_piece(rows, keys, predicate, block_mask) \
+                    if block_mask is not None else cut(rows, keys, predicate)
+                if piece is not None:
+                    found.append(piece)
     if by_position:
         return found
     return _joined(_joined(found, along_keys=True), along_keys=False)
+
+
+def _kept(chunk: Chunk, handed: tuple[int, int]) -> list[Chunk]:
+    """The runs of `chunk` outside the global rows [a, b) handed off."""
+    a, b = handed
+    return [Chunk(start, chunk.local + start - chunk.start, stop - start)
+            for start, stop in ((chunk.start, a), (b, chunk.stop)) if stop > start]
 
 
 def _joined(found: list[Piece], along_keys: bool) -> list[Piece]:

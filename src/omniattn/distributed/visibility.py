@@ -52,6 +52,13 @@ class Visibility:
                     found[self.owners[i]][self.owners[j]] = True
         return tuple(tuple(row) for row in found)
 
+    def without(self, pairs) -> "Visibility":
+        """The table with the (row chunk, key chunk) index pairs `pairs` hidden: pairs whose
+        every visible row is computed by another rank (balance.py)."""
+        visible = tuple(tuple(seen and (i, j) not in pairs for j, seen in enumerate(row))
+                        for i, row in enumerate(self.visible))
+        return Visibility(self.length, self.owners, visible)
+
     def narrowed(self, reach: list[int]) -> "Visibility":
         """Under per-row key lengths: reach[i], the largest key length of chunk i's rows (row
         x sees keys [0, len_x)), hides every chunk starting at or past it."""
@@ -123,15 +130,30 @@ def rank_work(layout: str, world: int, seqlen: int, predicate: RelativePredicate
             listed = grid[rows.start // block_q:rows.stop // block_q].sum()
             work[rank] += float(listed) * block_q * block_k
         else:
-            work[rank] += _visible_pairs(rows, seqlen, predicate)
+            work[rank] += int(_visible_keys(rows, Chunk(0, 0, seqlen), predicate).sum())
     return tuple(work)
 
 
-def _visible_pairs(rows: Chunk, seqlen: int, predicate: RelativePredicate) -> int:
-    """How many (row of `rows`, key of [0, seqlen)) pairs the predicate shows (key j visible
-    to row i iff -left <= j - i <= right)."""
+def row_work(rows: Chunk, keys: Chunk, predicate: RelativePredicate,
+             block_mask: BlockMask | None, granule: int) -> list[float]:
+    """The cost model of rows x keys (two chunks of the layout) per `granule` rows: the visible
+    (query, key) pairs of each run of `granule` rows (with a block mask, granule its query
+    block size: the area of the blocks listed in that block row, as rank_work counts it)."""
+    if block_mask is not None:
+        block_q, block_k = block_mask.block_size
+        grid = _block_grid(block_mask, predicate)
+        listed = grid[rows.start // block_q:rows.stop // block_q,
+                      keys.start // block_k:keys.stop // block_k].sum(1)
+        return (listed.double() * block_q * block_k).tolist()
+    return _visible_keys(rows, keys, predicate).view(-1, granule).sum(1).double().tolist()
+
+
+def _visible_keys(rows: Chunk, keys: Chunk, predicate: RelativePredicate) -> torch.Tensor:
+    """int64 (rows,): how many keys of `keys` each row of `rows` sees under the predicate (key
+    j visible to row i iff -left <= j - i <= right)."""
     row = torch.arange(rows.start, rows.stop, dtype=torch.int64)
-    first = (row - predicate.left).clamp(min=0) if predicate.left >= 0 else torch.zeros_like(row)
-    stop = (row + predicate.right + 1).clamp(max=seqlen) if predicate.right >= 0 \
-        else torch.full_like(row, seqlen)
-    return int((stop - first).clamp(min=0).sum())
+    first = (row - predicate.left).clamp(min=keys.start) if predicate.left >= 0 \
+        else torch.full_like(row, keys.start)
+    stop = (row + predicate.right + 1).clamp(max=keys.stop) if predicate.right >= 0 \
+        else torch.full_like(row, keys.stop)
+    return (stop - first).clamp(min=0)
