@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import triton
@@ -26,7 +27,20 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def record(batch: int, seqlen: int, topk: int, causal: bool, bandwidth: float) -> dict:
+def host_ms(fn, calls: int = 50) -> float:
+    """Host ms to issue one call, the GPU kept ahead (no synchronisation between calls)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / calls * 1e3
+
+
+def record(batch: int, seqlen: int, topk: int, causal: bool, bandwidth: float,
+           profile: bool) -> dict:
     q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, seqlen, HEADS_K, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
@@ -45,14 +59,24 @@ def record(batch: int, seqlen: int, topk: int, causal: bool, bandwidth: float) -
     finally:
         select.key_splits = rule
     floor_ms = (k.numel() + v.numel() + bias.numel()) * 2 / bandwidth * 1e3
+
+    def topk_call():
+        return omniattn.attention(q, k, v, attn_bias=bias, topk=topk, causal=causal)
+
+    extra = {}
+    if profile:
+        from topk_attention import kernel_times
+
+        extra = dict(topk_call_kernels=kernel_times(topk_call), topk_call_host_ms=host_ms(
+            topk_call), thresholds_host_ms=host_ms(thresholds))
     return dict(gpu=torch.cuda.get_device_name(), batch=batch, seqlen_k=seqlen, topk=topk,
                 causal=causal, thresholds_ms=split_ms, thresholds_single_program_ms=single_ms,
-                topk_call_ms=median_ms(lambda: omniattn.attention(
-                    q, k, v, attn_bias=bias, topk=topk, causal=causal)),
+                topk_call_ms=median_ms(topk_call),
                 bias_call_ms=median_ms(lambda: omniattn.attention(q, k, v, attn_bias=bias,
                                                                   causal=causal)),
                 floor_ms=floor_ms,
-                plan=str(omniattn.explain(q, k, v, attn_bias=bias, topk=topk, causal=causal)))
+                plan=str(omniattn.explain(q, k, v, attn_bias=bias, topk=topk, causal=causal)),
+                **extra)
 
 
 def main() -> None:
@@ -61,11 +85,14 @@ def main() -> None:
                         help="BATCHxKEYS")
     parser.add_argument("--topk", type=int, default=4096)
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes / s")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each kernel's device ms in a top-k call and host ms per call")
     opts = parser.parse_args()
     for shape in opts.shapes:
         batch, seqlen = map(int, shape.split("x"))
         for causal in (False, True):
-            print(json.dumps(record(batch, seqlen, opts.topk, causal, opts.bandwidth)),
+            print(json.dumps(record(batch, seqlen, opts.topk, causal, opts.bandwidth,
+                                    opts.profile)),
                   flush=True)
 
 
