@@ -21,35 +21,29 @@ Written without a GPU and not yet run on one: on 2 H100s at 128k a few minutes a
 most of them compiling kernels (every timed call is well under a second). --cpu-smoke runs
 the same code on the CPU at tiny sizes (gloo, 2 processes, the reference path): the test
 suite's run (tests/distributed/test_cp_scaling.py).
+
+The processes, the timing, the communication's stand-ins and the record are cp_common.py's,
+shared with cp_million.py.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
 import json
-import os
 import pathlib
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cp_common import (ATOL, comm_share, environment, init_group, local_collectives, max_error,
+                       median_ms, rank_device, rank_environment, recorded, shard_inputs,
+                       spawned, steps, write_json)
 
 CASES = ("causal", "bias_window")
 METHODS = ("ring", "ulysses")
-# the 2x rule's absolute slack per dtype (tests/helpers.py); lse is float32 in every dtype
-ATOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv", "dbias")
-# the timing's own gathering, kept from local_collectives' stand-ins
-_all_gather = dist.all_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,135 +101,13 @@ def full_inputs(settings: Settings, seqlen: int, case: str, device: torch.device
                            "attn_bias": randn(settings.batch, settings.heads, 1, seqlen)}
 
 
-def local_inputs(q, k, v, dout, options, group=None):
-    """This rank's shards (zigzag) of full_inputs, as leaves, and its keywords: the key bias
-    sharded like k."""
-    from omniattn import distributed as cp
-
-    leaves = [cp.shard(t, group).detach().requires_grad_() for t in (q, k, v)]
-    local = dict(options)
-    if "attn_bias" in options:
-        local["attn_bias"] = cp.shard(options["attn_bias"], group, dim=3).detach()
-        leaves.append(local["attn_bias"].requires_grad_())
-    return leaves, cp.shard(dout, group), local
-
-
-def steps(attend, leaves, dout) -> dict:
-    """The timed calls: 'fwd' records no graph, 'fwd_bwd' is the forward and the gradients of
-    every leaf (q, k, v and the bias)."""
-    def forward():
-        with torch.no_grad():
-            return attend(*leaves[:3])
-
-    def forward_backward():
-        return torch.autograd.grad(attend(*leaves[:3]), leaves, dout)
-
-    return {"fwd": forward, "fwd_bwd": forward_backward}
-
-
-# ---- timing ----
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn, settings: Settings, device: torch.device, group=None) -> dict:
-    """{'ms': the median over calls of the slowest rank's time, 'rank_ms': each rank's
-    median}. Every call starts with the ranks at a barrier and the device idle; CUDA events
-    time it on the GPU, the wall clock on the CPU."""
-    for _ in range(settings.warmup):
-        fn()
-    times = []
-    for _ in range(settings.reps):
-        _synchronize(device)
-        if group is not None:
-            dist.barrier(group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    per_rank = torch.tensor([times], dtype=torch.float64, device=device)
-    if group is not None:
-        gathered = [torch.empty_like(per_rank) for _ in range(dist.get_world_size(group))]
-        _all_gather(gathered, per_rank, group=group)
-        per_rank = torch.cat(gathered)
-    slowest = per_rank.max(0).values.tolist()
-    return {"ms": statistics.median(slowest),
-            "rank_ms": [statistics.median(row) for row in per_rank.tolist()]}
-
-
-@contextlib.contextmanager
-def local_collectives():
-    """The collectives omniattn.distributed calls, each replaced by a local copy of the bytes
-    it would move (what it sends lands in what it receives on the same rank): the calls keep
-    their shapes, work and copies, without transfers or waiting for other ranks."""
-    real = {name: getattr(dist, name) for name in
-            ("batch_isend_irecv", "all_to_all", "all_gather", "reduce_scatter")}
-
-    def batch_isend_irecv(ops):
-        sends = [op.tensor for op in ops if op.op is dist.isend]
-        receives = [op.tensor for op in ops if op.op is dist.irecv]
-        for received, sent in zip(receives, sends):
-            received.copy_(sent)
-        for received in receives[len(sends):]:  # the ring receives without sending at times
-            received.zero_()
-        return []
-
-    def all_to_all(received, sends, group=None):
-        for part, sent in zip(received, sends):
-            part.copy_(sent)
-
-    def all_gather(parts, x, group=None):
-        for part in parts:
-            part.copy_(x)
-
-    def reduce_scatter(out, parts, group=None):
-        out.copy_(parts[dist.get_rank(group)])
-
-    for name, stand_in in (("batch_isend_irecv", batch_isend_irecv), ("all_to_all", all_to_all),
-                           ("all_gather", all_gather), ("reduce_scatter", reduce_scatter)):
-        setattr(dist, name, stand_in)
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
 # ---- the processes ----
-
-def _device(settings: Settings, rank: int) -> torch.device:
-    if settings.device == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    return torch.device("cpu")
-
-
-def _recorded(record: dict, fn) -> None:
-    """fn(record), or what it raised in record['error'] (every rank alike, as the ranks make
-    the same calls: a length too long for memory fails on each)."""
-    try:
-        fn(record)
-    except Exception:  # noqa: BLE001 - reported in the results, the other configs go on
-        record["error"] = traceback.format_exc(limit=4)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
 
 def single_worker(rank: int, settings: Settings, out_file: str) -> None:
     """The single-GPU omniattn.attention of every case and length, alone on GPU 0."""
     import omniattn
 
-    device = _device(settings, rank)
+    device = rank_device(settings.device, rank)
     records = []
     for seqlen in settings.seqlens:
         for case in settings.cases:
@@ -249,9 +121,9 @@ def single_worker(rank: int, settings: Settings, out_file: str) -> None:
                 record["explain"] = str(omniattn.explain(q, k, v, **options))
                 for mode, fn in steps(lambda *qkv: omniattn.attention(*qkv, **options), leaves,
                                       dout).items():
-                    record[f"{mode}_ms"] = median_ms(fn, settings, device)["ms"]
+                    record[f"{mode}_ms"] = median_ms(fn, settings.warmup, settings.reps, device)["ms"]
 
-            _recorded(record, measure)
+            recorded(record, measure)
             records.append(record)
             pathlib.Path(out_file).write_text(json.dumps(records))  # kept if a later one dies
 
@@ -261,17 +133,13 @@ def cp_worker(rank: int, settings: Settings, init_file: str, out_file: str) -> N
     without communication, then the checks at check_seqlen; rank 0 writes the records."""
     from omniattn import distributed as cp
 
-    device = _device(settings, rank)
-    backend = "nccl" if settings.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=settings.world, timeout=timedelta(minutes=5),
-                            device_id=device if backend == "nccl" else None)
-    group = dist.group.WORLD
+    device = rank_device(settings.device, rank)
+    group = init_group(device, rank, settings.world, init_file)
     records, checks = [], []
     for seqlen in settings.seqlens:
         for case in settings.cases:
             full = full_inputs(settings, seqlen, case, device)
-            leaves, dout, options = local_inputs(*full)
+            leaves, dout, options = shard_inputs(*full)
             del full
             for method in settings.methods:
                 record = {"case": case, "method": method, "seqlen": seqlen}
@@ -282,21 +150,21 @@ def cp_worker(rank: int, settings: Settings, init_file: str, out_file: str) -> N
 
                     record["explain"] = str(cp.explain(*leaves[:3], method=method, **options))
                     for mode, fn in steps(attend, leaves, dout).items():
-                        timed = median_ms(fn, settings, device, group)
+                        timed = median_ms(fn, settings.warmup, settings.reps, device, group)
                         record[f"{mode}_ms"], record[f"{mode}_rank_ms"] = timed["ms"], \
                             timed["rank_ms"]
                         with local_collectives():
-                            record[f"{mode}_ms_local"] = median_ms(fn, settings, device,
-                                                                   group)["ms"]
+                            record[f"{mode}_ms_local"] = median_ms(
+                                fn, settings.warmup, settings.reps, device, group)["ms"]
 
-                _recorded(record, measure)
+                recorded(record, measure)
                 records.append(record)
                 if rank == 0:  # kept if a later call kills the processes
                     pathlib.Path(out_file).write_text(json.dumps({"cp": records, "checks": []}))
             del leaves, dout, options  # before the next case's inputs
     for case in settings.cases:
         record = {"case": case, "seqlen": settings.check_seqlen}
-        _recorded(record, lambda record, case=case: checks.extend(
+        recorded(record, lambda record, case=case: checks.extend(
             check_case(settings, case, device, group)))
         if "error" in record:
             checks.append({**record, "ok": False})
@@ -317,14 +185,6 @@ def _gradients(attend, q, k, v, dout, options, leaf_dtype=None):
     out, lse = attend(*leaves[:3], **options)
     grads = torch.autograd.grad((out * dout.to(out.dtype)).sum(), leaves)
     return [out.detach(), lse.detach(), *grads]
-
-
-def _max_error(got: torch.Tensor, exact: torch.Tensor) -> float:
-    """Max abs difference in float64; equal infinities (lse of rows that see no key) count 0."""
-    got, exact = got.double(), exact.double()
-    same_inf = torch.isinf(got) & (got == exact)
-    diff = torch.where(same_inf, 0.0, (got - exact).abs())
-    return float("inf") if torch.isnan(diff).any() else float(diff.max()) if diff.numel() else 0.0
 
 
 def check_case(settings: Settings, case: str, device: torch.device, group) -> list[dict]:
@@ -360,8 +220,8 @@ def check_case(settings: Settings, case: str, device: torch.device, group) -> li
             errors, ok = {}, True
             for name, g, s, e, p in zip(QUANTITIES, got, single, exact, plain):
                 atol = ATOL[torch.float32 if name == "lse" else settings.torch_dtype]
-                errors[name] = {"cp": _max_error(g, e), "single": _max_error(s, e),
-                                "plain": _max_error(p, e), "atol": atol}
+                errors[name] = {"cp": max_error(g, e), "single": max_error(s, e),
+                                "plain": max_error(p, e), "atol": atol}
                 ok = ok and errors[name]["cp"] <= 2 * errors[name]["single"] + atol
             records.append({"case": case, "method": method, "seqlen": settings.check_seqlen,
                             "ok": ok, "errors": errors})
@@ -369,34 +229,6 @@ def check_case(settings: Settings, case: str, device: torch.device, group) -> li
 
 
 # ---- the parent: spawn, merge, report ----
-
-def _git_commit() -> str | None:
-    here = pathlib.Path(__file__).resolve().parent
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def environment(settings: Settings) -> dict:
-    import triton
-
-    cuda = settings.device == "cuda"
-    return {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "devices": settings.world,
-        "backend": "nccl" if cuda else "gloo",
-        "nccl": str(torch.cuda.nccl.version()) if cuda else None,
-        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "git_commit": _git_commit(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]),
-    }
-
 
 def merged(single: list[dict], parallel: list[dict]) -> list[dict]:
     """Each context-parallel record with its single-GPU time beside it: the speedups, the
@@ -412,8 +244,9 @@ def merged(single: list[dict], parallel: list[dict]) -> list[dict]:
             if ms is not None and alone is not None:
                 row[f"{mode}_speedup"] = alone / ms
                 row[f"{mode}_ratio"] = ms / alone
-            if ms is not None and record.get(f"{mode}_ms_local") is not None:
-                row[f"{mode}_comm_share"] = max(0.0, 1 - record[f"{mode}_ms_local"] / ms)
+            share = comm_share(ms, record.get(f"{mode}_ms_local"))
+            if share is not None:
+                row[f"{mode}_comm_share"] = share
         if "fwd_bwd_ratio" in row:
             row["target_met"] = row["fwd_bwd_ratio"] <= 0.6
         rows.append(row)
@@ -456,28 +289,17 @@ def table(rows: list[dict], checks: list[dict], world: int) -> str:
     return "\n".join(lines)
 
 
-def _spawned(worker, args: tuple, processes: int, results: pathlib.Path, empty):
-    """(what the worker's rank 0 wrote to `results`, or `empty`; None or why a process
-    failed): a failure keeps what was written before it."""
-    failure = None
-    try:
-        mp.spawn(worker, args=(*args, str(results)), nprocs=processes)
-    except Exception as error:  # noqa: BLE001 - a rank died (its traceback is on stderr)
-        failure = f"{worker.__name__}: {type(error).__name__}: {str(error)[-2000:]}"
-    return (json.loads(results.read_text()) if results.exists() else empty), failure
-
-
 def run(settings: Settings) -> dict:
     """Both phases in processes of their own; the merged results."""
     with tempfile.TemporaryDirectory() as folder:
         folder = pathlib.Path(folder)
-        single, single_failure = _spawned(single_worker, (settings,), 1,
+        single, single_failure = spawned(single_worker, (settings,), 1,
                                           folder / "single.json", [])
-        parallel, cp_failure = _spawned(cp_worker, (settings, str(folder / "init")),
+        parallel, cp_failure = spawned(cp_worker, (settings, str(folder / "init")),
                                         settings.world, folder / "cp.json",
                                         {"cp": [], "checks": []})
     failures = [f for f in (single_failure, cp_failure) if f is not None]
-    return {"environment": environment(settings), "settings": dataclasses.asdict(settings),
+    return {"environment": environment(settings.device, settings.world), "settings": dataclasses.asdict(settings),
             "single": single, "results": merged(single, parallel["cp"]),
             "checks": parallel["checks"], "failures": failures}
 
@@ -537,10 +359,7 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
 def main(argv=None) -> None:
     settings, json_path = parse_settings(argv)
     check_settings(settings)
-    # the ranks inherit these: no NVLink multicast; the CPU smoke on the reference path
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    if settings.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "0"
+    rank_environment(settings.device)
     began = time.perf_counter()
     results = run(settings)
     results["environment"]["wall_s"] = round(time.perf_counter() - began, 1)
@@ -550,8 +369,7 @@ def main(argv=None) -> None:
     print(f"{results['environment']['device']} x {settings.world}, "
           f"{results['environment']['wall_s']} s")
     if json_path:
-        pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(json_path, results)
     if results["failures"]:
         raise SystemExit(1)
 

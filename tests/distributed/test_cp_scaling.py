@@ -3,8 +3,6 @@ its whole run on the CPU at tiny sizes (--cpu-smoke: gloo, 2 processes, the refe
 timings with and without communication, the checks, the JSON), and its host-side logic."""
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,17 +12,14 @@ import sys
 import pytest
 import torch
 
+from benchmark_scripts import benchmark_module
+
 ROOT = pathlib.Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "cp_scaling.py"
 
 
-@functools.cache
 def _script():
-    spec = importlib.util.spec_from_file_location("cp_scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cp_scaling"] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("cp_scaling")
 
 
 def test_cpu_smoke_run(tmp_path):
