@@ -14,11 +14,12 @@ method):
   every call;
 - TFLOP/s per GPU: 4 x D FLOPs per (query, key) pair of each head forward, 3.5x that forward +
   backward (FlashAttention's convention, as `omniattn bench`), divided by the GPUs and the
-  time. `_causal_pairs` counts the causal pairs S (S + 1) / 2 per head (the tiles the causal
-  kernels compute, within 0.01% at 128-wide tiles and these lengths); top-k's kernels walk
-  fewer of them (the tiles no row keeps skipped) at more cost per tile, so for bias_topk
-  this is an upper bound of the work, and `_topk_pairs` (each row's min(row + 1, K) kept
-  keys) the work that counts; the API does not expose the tiles a top-k call walks;
+  time. `*_tflops_per_gpu_causal_pairs` counts the causal pairs S (S + 1) / 2 per head (the
+  causal kernels' 128-wide diagonal tiles add about 128 / S: 0.1% at 128k, 0.01% at 1M);
+  top-k's kernels walk fewer of them (the tiles no row keeps skipped) at more cost per tile,
+  so for bias_topk this is an upper bound of the work, and `*_tflops_per_gpu_topk_pairs`
+  (each row's min(row + 1, K) kept keys) the work that counts; the API does not expose the
+  tiles a top-k call walks;
 - beside them the single-GPU figure of a causal call at --baseline-seqlen (default 131072),
   alone on GPU 0 before the rest, the ratio of each per-GPU figure to it on causal pairs, and
   (causal case) whether forward+backward reaches 80% of it;
@@ -37,7 +38,10 @@ method):
     python benchmarks/cp_million.py --json benchmarks/results/nvidia-h100-x8-cp-million.json
 
 Written without a GPU; only its --cpu-smoke mode has run (gloo, 2 processes, tiny sizes, the
-reference path: tests/distributed/test_cp_million.py). The processes, timing, the
+reference path: tests/distributed/test_cp_million.py). At 1M on 8 GPUs a forward+backward
+step should take seconds, and each method's is run (warmup + reps) x 2 times and once more
+for the check: several minutes in all, besides compiling. Each rank first builds the whole
+sequence's inputs (about 20 GiB in bf16 at these shapes) and keeps its shards. The processes, timing, the
 communication's stand-ins and the record are cp_common.py's, shared with cp_scaling.py.
 """
 from __future__ import annotations
@@ -97,9 +101,9 @@ class Settings:
 # ---- inputs and the rows checked ----
 
 def full_inputs(settings: Settings, seqlen: int, case: str, device: torch.device):
-    """(q, dout (B, S, H, D), k, v (B, S, Hk, D), options) of a case over the whole sequence,
-    the same in every process (a seeded generator on the device), returned as (q, k, v, dout,
-    options): omniattn.attention's keywords, causal, and for bias_topk the key bias
+    """(q, k, v, dout, options) of a case over the whole sequence, the same in every process
+    (a seeded generator on the device): q and dout (B, S, H, D), k and v (B, S, Hk, D);
+    options are omniattn.attention's keywords, causal, and for bias_topk the key bias
     (B, Hk, 1, S) and topk."""
     generator = torch.Generator(device=device).manual_seed(
         settings.seed + seqlen + CASES.index(case))
@@ -216,6 +220,8 @@ def case_inputs(settings: Settings, case: str, rows: list[int], device: torch.de
             exact=reference_rows(rows, q_rows, k, v, dout_rows, options, torch.float64),
             plain=reference_rows(rows, q_rows, k, v, dout_rows, options,
                                  settings.torch_dtype)))
+        if device.type == "cuda":  # the float64 keys' blocks back, before the timed calls
+            torch.cuda.empty_cache()
     dist.barrier(group)  # the other ranks wait for rank 0's reference, or its failure
     return leaves, dout_local, local_options, reference
 
