@@ -128,6 +128,15 @@ def every_rank(values: list[float], device: torch.device, group=None) -> list[li
     return torch.cat(gathered).tolist()
 
 
+def every_rank_object(value, group=None) -> list:
+    """Each rank's picklable `value`, in rank order; [value] without a group."""
+    if group is None:
+        return [value]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
 def median_ms(fn, warmup: int, reps: int, device: torch.device, group=None) -> dict:
     """{'ms': the median over calls of the slowest rank's time, 'rank_ms': each rank's
     median}. Every call starts with the ranks at a barrier and the device idle; CUDA events
@@ -154,6 +163,32 @@ def median_ms(fn, warmup: int, reps: int, device: torch.device, group=None) -> d
     slowest = [max(call) for call in zip(*per_rank)]
     return {"ms": statistics.median(slowest),
             "rank_ms": [statistics.median(row) for row in per_rank]}
+
+
+def profiled(fn, device: torch.device, top: int = 15) -> dict:
+    """Where one call of fn spends its time on this rank (torch.profiler, after a warm call):
+    'busy_ms' the sum of its kernels' device time (CPU: of its operators' own time), 'wall_ms'
+    the call's wall time, 'ops' the `top` largest {name: ms}. Busy much below wall: the device
+    waited (for a transfer, or for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _synchronize(device)
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    began = time.perf_counter()
+    with profile(activities=[activity]) as prof:
+        fn()
+        _synchronize(device)
+    wall_ms = (time.perf_counter() - began) * 1e3
+    own = {}
+    for event in prof.key_averages():
+        ms = (event.self_device_time_total if device.type == "cuda"
+              else event.self_cpu_time_total) / 1e3
+        if ms > 0:
+            own[event.key[:80]] = own.get(event.key[:80], 0.0) + ms
+    ranked = sorted(own.items(), key=lambda item: -item[1])
+    return {"busy_ms": sum(own.values()), "wall_ms": wall_ms,
+            "ops": {name: round(ms, 4) for name, ms in ranked[:top]}}
 
 
 @contextlib.contextmanager

@@ -17,8 +17,9 @@ and versions. NVLink multicast (NVLS) stays off in the ranks (NCCL_NVLS_ENABLE=0
 
     python benchmarks/cp_scaling.py --json benchmarks/results/nvidia-h100-x2-cp-scaling.json
 
-Written without a GPU and not yet run on one: on 2 H100s at 128k a few minutes are expected,
-most of them compiling kernels (every timed call is well under a second). --cpu-smoke runs
+--profile adds each rank's largest kernels (device ms) of one call of each mode to the records.
+
+On 2 H100s at 128k it takes about 140 s, most of it compiling kernels. --cpu-smoke runs
 the same code on the CPU at tiny sizes (gloo, 2 processes, the reference path): the test
 suite's run (tests/distributed/test_cp_scaling.py).
 
@@ -37,9 +38,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_common import (ATOL, comm_share, environment, init_group, local_collectives, max_error,
-                       median_ms, rank_device, rank_environment, recorded, shard_inputs,
-                       spawned, steps, write_json)
+from cp_common import (ATOL, comm_share, environment, every_rank_object, init_group,
+                       local_collectives, max_error, median_ms, profiled, rank_device,
+                       rank_environment, recorded, shard_inputs, spawned, steps, write_json)
 
 CASES = ("causal", "bias_window")
 METHODS = ("ring", "ulysses")
@@ -66,6 +67,7 @@ class Settings:
     warmup: int
     reps: int
     seed: int = 0
+    profile: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -156,6 +158,9 @@ def cp_worker(rank: int, settings: Settings, init_file: str, out_file: str) -> N
                         with local_collectives():
                             record[f"{mode}_ms_local"] = median_ms(
                                 fn, settings.warmup, settings.reps, device, group)["ms"]
+                        if settings.profile:
+                            record[f"{mode}_profile"] = every_rank_object(
+                                profiled(fn, device), group)
 
                 recorded(record, measure)
                 records.append(record)
@@ -334,6 +339,8 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
     parser.add_argument("--world", type=int, default=None,
                         help="processes: default every visible GPU (smoke 2)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each rank's largest kernels of one call of each mode")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="the same code on the CPU at tiny sizes: gloo, the reference path")
     args = parser.parse_args(argv)
@@ -352,7 +359,7 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
         seqlens=tuple(pick(args.seqlen, [131072], [256])),
         check_seqlen=pick(args.check_seqlen, 8192, 128), window=args.window,
         block_size=16 if smoke else 128, cases=tuple(args.cases), methods=tuple(args.methods),
-        warmup=pick(args.warmup, 2, 1), reps=pick(args.reps, 7, 2))
+        warmup=pick(args.warmup, 2, 1), reps=pick(args.reps, 7, 2), profile=args.profile)
     return settings, args.json
 
 

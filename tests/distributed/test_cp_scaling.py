@@ -26,7 +26,7 @@ def test_cpu_smoke_run(tmp_path):
     results_file = tmp_path / "cp.json"
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--json",
+    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--profile", "--json",
                           str(results_file)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -46,6 +46,9 @@ def test_cpu_smoke_run(tmp_path):
             assert row[f"{mode}_speedup"] == pytest.approx(
                 row[f"{mode}_single_ms"] / row[f"{mode}_ms"])
             assert 0 <= row[f"{mode}_comm_share"] < 1
+            profiles = row[f"{mode}_profile"]  # each rank's
+            assert len(profiles) == 2
+            assert all(p["busy_ms"] > 0 and p["wall_ms"] > 0 and p["ops"] for p in profiles)
         assert row["explain"].startswith(f"method: {row['method']} (asked for:")
         assert row["target_met"] == (row["fwd_bwd_ratio"] <= 0.6)
     checks = results["checks"]
