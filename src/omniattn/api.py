@@ -90,7 +90,9 @@ def attention(
             bitwise-identical run to run. Otherwise dQ may be summed over key tiles in an fp32
             buffer with atomics (summation order varies by ~1 ulp of fp32): the Gluon backward
             on Hopper always, the Triton backward where a tile config asks for it (none of the
-            GPU ones today); `omniattn.explain` says which backward a call takes.
+            GPU ones today); and under GQA the Triton backward adds the query heads' dK/dV
+            into fp32 buffers of the KV heads with atomics. `omniattn.explain` says which
+            backward a call takes.
         return_lse: also return the log-sum-exp (B, H, Sq) float32 (natural log; packed:
             (H, total_q)), -inf for a row that sees no key. It is differentiable.
         check_inputs: validate the values of cu_seqlens_*, seqlens_k_per_row, seqused_k and

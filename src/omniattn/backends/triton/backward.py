@@ -119,13 +119,20 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
         _zero_unlisted(dbias_buffer, dbias_strides,
                        schedule.dq if dbias_tiles_in_dq else schedule.dkdv,
                        not dbias_tiles_in_dq, seqlen_q, seqlen_k)
-    # a KV group split across dK/dV programs: each part writes fp32 partials to a head slot of
-    # its own, summed after. A full bias shared by a KV group sums its gradient in one program
+    # a KV group split across dK/dV programs: each part adds its fp32 dK/dV into the KV head's
+    # (atomics), or, deterministic, writes them to a head slot of its own, summed after in slot
+    # order; the slots cost group x the KV heads' fp32 dK/dV (B1 H16 Hk4 128k: 2 GiB, against
+    # 0.5 for the atomics' one). A full bias shared by a KV group sums its gradient in one program
     heads_per_program = group if bias_grad and not dbias_per_qhead else \
         math.gcd(group, DKDV_HEADS_PER_PROGRAM)
     kv_split = group // heads_per_program
+    atomic_kv = kv_split > 1 and not deterministic
     dk_out, dv_out = dk, dv
-    if kv_split > 1:
+    if atomic_kv:
+        dk, dv = (grad.zero_() if grad.dtype == torch.float32 else
+                  torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+                  for grad in (dk, dv))
+    elif kv_split > 1:
         parts_shape = (*k.shape[:-2], num_heads_k * kv_split, head_dim)
         dk = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(parts_shape, dtype=torch.float32, device=k.device)
@@ -157,7 +164,7 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
         (args.qk_scale_log2, args.softcap_inv_scaled, args.softcap_log2, args.softmax_scale),
         (dropout[1], dropout[0]),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PROGRAMS=(heads_per_program, cfg.dkdv_apart, atomic_dq, longest_first),
+        PROGRAMS=(heads_per_program, cfg.dkdv_apart, atomic_dq, longest_first, atomic_kv),
         DKDV_TILE=(block_m1, block_n1, even and seqlen_q % block_m1 == 0,
                    even and seqlen_k % block_n1 == 0),
         DQ_TILE=(block_m2, block_n2, even and seqlen_q % block_m2 == 0,
@@ -173,10 +180,11 @@ def triton_backward(dout, q, k, v, lse, delta, args: KernelArgs, dq, dk, dv,
     )
     if dq_sum is not dq:
         dq.copy_(dq_sum)
-    if kv_split > 1:
+    if dk is not dk_out:  # the slots' sums, or the atomics' fp32 sums in the gradients' dtype
         sum_batch, sum_rows = (1, k.shape[0]) if packed is not None else (batch, seqlen_k)
         launch(sum_kv_parts, (cdiv(sum_rows, 64), sum_batch * num_heads_k),
             dk, dv, dk_out, dv_out, *row_strides(dk), *row_strides(dk_out), *row_strides(dv_out),
-            sum_rows, num_heads_k, kv_split, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=64,
+            sum_rows, num_heads_k, 1 if atomic_kv else kv_split, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=64,
         )
     return dq, dk_out, dv_out

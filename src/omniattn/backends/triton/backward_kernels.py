@@ -281,11 +281,12 @@ def _dkdv_program(
     EVEN_N: tl.constexpr, HAS_BITS: tl.constexpr, USER_BQ: tl.constexpr,
     USER_BK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     LENGTH_RANGES: tl.constexpr, ROW_ORDER: tl.constexpr, WITH_DK: tl.constexpr,
-    WITH_DV: tl.constexpr,
+    WITH_DV: tl.constexpr, ATOMIC_KV: tl.constexpr,
 ):
     """dK/dV (WITH_DK / WITH_DV: the ones asked for) of key tile `tile_n`, summed over query
     heads [first_head, first_head + HEADS) (a KV group, or a part of one) into head slot
-    `kv_slot` of DK/DV; with DBIAS (a bias spanning the keys) and WITH_DK also dbias of its keys:
+    `kv_slot` of DK/DV (ATOMIC_KV: added into the fp32 DK/DV, which the group's other parts add
+    to as well); with DBIAS (a bias spanning the keys) and WITH_DK also dbias of its keys:
     per query head, or summed over the heads into slot `kv_slot` when DBIAS_PER_QHEAD is off.
     With ATOMIC_DQ and WITH_DK also each query head's dQ share, added into the fp32 DQ.
     Grouped arguments: the tensors' strides ((batch, row, head) / lse (batch, head)), the
@@ -395,10 +396,16 @@ def _dkdv_program(
     dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + kv_slot.to(tl.int64) * stride_dvh \
         + start_n.to(tl.int64) * stride_dvn + local_n[:, None] * stride_dvn + offs_d[None, :]
     store_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    if WITH_DK:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
-    if WITH_DV:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+    if ATOMIC_KV:
+        if WITH_DK:
+            tl.atomic_add(dk_ptrs, dk, mask=store_mask, sem="relaxed")
+        if WITH_DV:
+            tl.atomic_add(dv_ptrs, dv, mask=store_mask, sem="relaxed")
+    else:
+        if WITH_DK:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+        if WITH_DV:
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -543,7 +550,7 @@ def bwd_kernel(
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
-    of its own; DKDV_APART: twice as many, even ones dV, odd ones dK), the rest dQ (one per
+    of its own, or with ATOMIC_KV each adding into its KV head's fp32 slot; DKDV_APART: twice as many, even ones dV, odd ones dK), the rest dQ (one per
     query tile and query head of the KV group). LONGEST_FIRST
     (causal): the program axis is grid axis 1, so the GPU starts every (batch, KV head)'s first
     program before any second one, and dQ programs take their query tiles last to first: the
@@ -558,7 +565,7 @@ def bwd_kernel(
     heads per KV head, n_tiles_n key tiles, n_tiles_m query tiles), window (diag_offset, left,
     right), scores (`scores_log2`'s scale and softcap terms, softmax_scale), rng (seed,
     dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ
-    added by the dK/dV programs, no dQ programs, LONGEST_FIRST), DKDV_TILE / DQ_TILE (the dK/dV and
+    added by the dK/dV programs, no dQ programs, LONGEST_FIRST, ATOMIC_KV), DKDV_TILE / DQ_TILE (the dK/dV and
     the dQ programs' BLOCK_M, BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT),
     MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared), DBIAS_FORM (DBIAS, DBIAS_PER_QHEAD,
     DBIAS_TILES_IN_DQ: a full bias's tiles stored by the dQ programs), ROW_LENS_FORM (HAS_ROW_LENS,
@@ -582,6 +589,7 @@ def bwd_kernel(
     DKDV_APART: tl.constexpr = PROGRAMS[1]
     ATOMIC_DQ: tl.constexpr = PROGRAMS[2]
     LONGEST_FIRST: tl.constexpr = PROGRAMS[3]
+    ATOMIC_KV: tl.constexpr = PROGRAMS[4]
     BLOCK_M1: tl.constexpr = DKDV_TILE[0]
     BLOCK_N1: tl.constexpr = DKDV_TILE[1]
     EVEN_M1: tl.constexpr = DKDV_TILE[2]
@@ -655,7 +663,7 @@ def bwd_kernel(
             if (not DKDV_APART) or (pid % 2 == kind):
                 _dkdv_program(
                     tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
-                    off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
+                    off_hk if ATOMIC_KV else off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
                     q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
                     lse_strides, dq_strides, (QNum, QIdx, FullQNum, FullQIdx), q_list_strides,
                     (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),
@@ -670,7 +678,7 @@ def bwd_kernel(
                     DBIAS and not BIAS_COLS_SHARED and not DBIAS_TILES_IN_DQ,
                     DBIAS_PER_QHEAD, EXPLICIT, EVEN_M1, EVEN_N1, HAS_BITS, USER_BQ, USER_BK,
                     DOT_PRECISION, ATOMIC_DQ, LENGTH_RANGES, ROW_ORDER,
-                    (not DKDV_APART) or kind == 1, (not DKDV_APART) or kind == 0)
+                    (not DKDV_APART) or kind == 1, (not DKDV_APART) or kind == 0, ATOMIC_KV)
     else:
         work = pid - kv_programs
         tile_m = work % n_tiles_m

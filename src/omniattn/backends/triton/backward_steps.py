@@ -19,7 +19,7 @@ def sum_kv_parts(
 ):
     """dK and dV of BLOCK_N keys of one (batch, KV head): the sums, in slot order, of the fp32
     partials the dK/dV programs of its `parts` query head groups wrote to head slots
-    [hk * parts, (hk + 1) * parts)."""
+    [hk * parts, (hk + 1) * parts) (one part: the fp32 sums the programs added, cast)."""
     off_b = (tl.program_id(1) // num_heads_k).to(tl.int64)
     off_hk = (tl.program_id(1) % num_heads_k).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
