@@ -12,7 +12,7 @@ from .autograd import (attention_with_graph, backward_from_output, decode_attent
                        decode_inputs, forward_parts, kernel_inputs, records_graph,
                        triton_attention)
 from .kernels.elementwise import Elementwise, TopkTerm
-from .kernels.select import row_thresholds
+from .kernels.select import threshold_pairs
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, PagedKeys, batch_shape, length_order
 from .passes import DECODE_FORWARD, TRITON_BACKWARD
@@ -358,12 +358,11 @@ def _topk_pairs(topk: int, form: CallForm, row_lens, packed) -> torch.Tensor:
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     if paged is not None:
         seqlen_k = paged.seqlen_k
-    pairs = row_thresholds(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
+    return threshold_pairs(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
                            q.shape[-2], k.shape[-2], mask=form.mask, block_mask=form.block_mask,
                            row_lens=row_lens, packed=packed,
                            total_q=q.shape[0] if packed is not None else None,
                            seqused_k=paged.seqused_k if paged is not None else None)
-    return torch.stack((pairs.threshold, pairs.last_tie))
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -455,13 +455,20 @@ def _head_div(heads_out: int, t: torch.Tensor | None) -> int:
     return heads_out if t is None else heads_out // t.shape[1]
 
 
-def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int, seqlen_q: int,
-                   seqlen_k: int, num_heads: int, num_heads_k: int,
-                   mask: Elementwise | None = None, block_mask=None,
-                   row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                   total_q: int | None = None,
-                   seqused_k: torch.Tensor | None = None) -> RowThresholds:
-    """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter).
+def row_thresholds(*args, **kwargs) -> RowThresholds:
+    """threshold_pairs(*args, **kwargs) as RowThresholds (views of its two halves)."""
+    threshold, last_tie = threshold_pairs(*args, **kwargs)
+    return RowThresholds(threshold, last_tie)
+
+
+def threshold_pairs(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
+                    seqlen_q: int, seqlen_k: int, num_heads: int, num_heads_k: int,
+                    mask: Elementwise | None = None, block_mask=None,
+                    row_lens: torch.Tensor | None = None,
+                    packed: PackedSequences | None = None, total_q: int | None = None,
+                    seqused_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter), in
+    one tensor as the attention kernels read them (TopkTerm.pairs).
 
     scores / mask: (B|1, Hm, Sq|1, Sk|1) as the attention kernels read them (packed: the
     (1, Hm, total_q|1, max_k|1) view); args: the causal / window bounds; block_mask: an
@@ -469,8 +476,9 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     row_lens: int32 (B, Sq) (packed: (total_q,)); packed: (Sq, Sk) are then the longest and
     total_q the packed rows; seqused_k: int32 (B,), not packed: sequence b selects among its
     first seqused_k[b] keys, causal / window aligned to them (split-KV decoding's paged or
-    partly used caches; Sk is then what a sequence can hold). Returns int32 (B, Hs, Sq|1)
-    (packed: (1, Hs, total_q)), Hs the selection's heads."""
+    partly used caches; Sk is then what a sequence can hold). Returns int32 (2, B, Hs, Sq|1)
+    (packed: (2, 1, Hs, total_q)), Hs the selection's heads: [0] the thresholds, [1] the last
+    ties."""
     device = scores.tensor.device
     head_counts = [scores.tensor.shape[1]] + ([mask.tensor.shape[1]] if mask is not None else [])
     if block_mask is not None:
@@ -480,19 +488,26 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         or args.masked or block_mask is not None or row_lens is not None
     num_rows = seqlen_q if rows_differ else 1
     out_shape = (1, heads, total_q) if packed is not None else (batch, heads, num_rows)
-    threshold = torch.full(out_shape, KEEP_ALL, dtype=torch.int32, device=device)
-    last_tie = torch.full(out_shape, EVERY_TIE, dtype=torch.int32, device=device)
-    if topk >= seqlen_k or threshold.numel() == 0:
-        return RowThresholds(threshold, last_tie)
+    pairs = torch.empty((2, *out_shape), dtype=torch.int32, device=device)
+    threshold, last_tie = pairs
+    selects = topk < seqlen_k and threshold.numel() > 0
     # per-key scores of more rows than a radix row tile holds take the range select; fewer
     # (decoding's) take the radix select, split over the GPU: it reads the keys once per digit
     # for all of them, where the range select would sort them and build a wavelet matrix's
     # log2(Sk) levels in one program per key array
-    if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
-            and (rows_differ or packed is not None) and seqlen_q > RANGE_SELECT_ROWS:
+    ranges = scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
+        and (rows_differ or packed is not None) and seqlen_q > RANGE_SELECT_ROWS
+    # the radix select writes every pair of padded rows: no fill kernels (or torch.full, which
+    # call plans do not replay) where it runs
+    if not selects or ranges or packed is not None:
+        threshold.fill_(KEEP_ALL)
+        last_tie.fill_(EVERY_TIE)
+    if not selects:
+        return pairs
+    if ranges:
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
                          threshold, last_tie, seqused_k)
-        return RowThresholds(threshold, last_tie)
+        return pairs
     block_m, block_n, radix = radix_tiles(num_rows)
     unused = (placeholder(device, torch.float32), (0, 0, 0, 0, 1))
     if block_mask is not None:
@@ -535,7 +550,7 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     if splits == 1:
         launch(_radix_select_kernel, (row_tiles, batch_heads), *sources, threshold, last_tie,
                *layouts, out_layout, shape, **tiles)
-        return RowThresholds(threshold, last_tie)
+        return pairs
     # the split select: per level, each slice adds its counts to its rows'; then the pairs
     num_levels, num_digits = key_bits // radix, 1 << radix
     counts = torch.zeros(batch_heads, row_tiles * block_m, num_levels, num_digits,
@@ -548,7 +563,7 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
                splits, level, **tiles)
     launch(_slice_tie_bound_kernel, grid, *sources, counts, slice_counts, threshold, last_tie,
            *layouts, out_layout, shape, splits, **tiles)
-    return RowThresholds(threshold, last_tie)
+    return pairs
 
 
 def radix_tiles(num_rows: int) -> tuple[int, int, int]:
