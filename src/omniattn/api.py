@@ -150,16 +150,18 @@ def attention(
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
                           checks, topk, topk_scores, block_table, seqused_k, graph_parts)
 
-    if block_mask is None and topk is None and unread_lengths and (plain_layout or unread_offsets) \
+    if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0 \
             and (not paged or check_inputs is False):
         inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row,
-                  block_table, seqused_k)
+                  block_table, seqused_k, topk_scores)
         graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, checks,
-                                            max_seqlen_q, max_seqlen_k))
-        if key is not None and not (graph and paged):
+                                            max_seqlen_q, max_seqlen_k, topk))
+        # top-k calls that record a graph keep their ordinary path: their backward's plan
+        # (keyed after the forward's) has not been checked with the pairs among its tensors
+        if key is not None and not (graph and (paged or topk is not None)):
             if not graph:
                 return call_plans.run(key, inputs, call)
             # the forward's work (validation and schedule included) planned inside the Function
