@@ -27,7 +27,8 @@ Two kernels, by the scores' form:
   wavelet matrix over the keys' ranks answers each row in O(log Sk), where rescanning every
   causal prefix would be O(Sq x Sk).
 
-The launcher `row_thresholds` picks one; `reference.topk_thresholds` is the plain PyTorch twin.
+The launcher `threshold_pairs` (`row_thresholds`: as RowThresholds) picks one;
+`reference.topk_thresholds` is the plain PyTorch twin.
 """
 from __future__ import annotations
 
