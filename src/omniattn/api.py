@@ -12,7 +12,7 @@ from .autograd import (attention_with_graph, backward_from_output, decode_attent
                        decode_inputs, forward_parts, kernel_inputs, records_graph,
                        triton_attention)
 from .kernels.elementwise import Elementwise, TopkTerm
-from .kernels.select import row_thresholds
+from .kernels.select import threshold_pairs
 from .kernels.schedule import KernelArgs
 from .kernels.sequences import PackedSequences, PagedKeys, batch_shape, length_order
 from .passes import DECODE_FORWARD, TRITON_BACKWARD
@@ -152,16 +152,18 @@ def attention(
                           max_seqlen_q, max_seqlen_k, dropout_p, deterministic, return_lse,
                           checks, topk, topk_scores, block_table, seqused_k, graph_parts)
 
-    if block_mask is None and topk is None and unread_lengths and (plain_layout or unread_offsets) \
+    if block_mask is None and unread_lengths and (plain_layout or unread_offsets) \
             and isinstance(dropout_p, (int, float)) and dropout_p == 0 \
             and (not paged or check_inputs is False):
         inputs = (q, k, v, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqlens_k_per_row,
-                  block_table, seqused_k)
+                  block_table, seqused_k, topk_scores)
         graph = records_graph(q, k, v, attn_bias)
         key = call_plans.signature(inputs, (graph, causal, window, softmax_scale, softcap,
                                             deterministic, return_lse, checks,
-                                            max_seqlen_q, max_seqlen_k))
-        if key is not None and not (graph and paged):
+                                            max_seqlen_q, max_seqlen_k, topk))
+        # top-k calls that record a graph keep their ordinary path: their backward's plan
+        # (keyed after the forward's) has not been checked with the pairs among its tensors
+        if key is not None and not (graph and (paged or topk is not None)):
             if not graph:
                 return call_plans.run(key, inputs, call)
             # the forward's work (validation and schedule included) planned inside the Function
@@ -360,12 +362,11 @@ def _topk_pairs(topk: int, form: CallForm, row_lens, packed) -> torch.Tensor:
     batch, seqlen_q, seqlen_k = batch_shape(q, k, packed)
     if paged is not None:
         seqlen_k = paged.seqlen_k
-    pairs = row_thresholds(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
+    return threshold_pairs(topk, form.topk_scores, form.args, batch, seqlen_q, seqlen_k,
                            q.shape[-2], k.shape[-2], mask=form.mask, block_mask=form.block_mask,
                            row_lens=row_lens, packed=packed,
                            total_q=q.shape[0] if packed is not None else None,
                            seqused_k=paged.seqused_k if paged is not None else None)
-    return torch.stack((pairs.threshold, pairs.last_tie))
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -547,3 +547,30 @@ def test_decode_calls_replay(monkeypatch, paged):
                                   seqused_k=used)
         assert all(torch.equal(g, e) for g, e in zip(got, expected)), call
         assert paths == ["plan"] * max(call - 1, 0), call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_topk_decode_calls_replay(monkeypatch):
+    """A top-k decode step (key bias as the scores, GQA, the split select): the third call of a
+    signature on replays its select and decode launches, bit for bit with the call itself; a
+    call of other keys or another topk runs its own way first."""
+    paths = _replays(monkeypatch)
+
+    def step(seqlen, topk):
+        q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, seqlen, 8, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        bias = torch.randn(2, 8, 1, seqlen, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = omniattn.attention(q, k, v, attn_bias=bias, topk=topk, return_lse=True)
+        expected = api._attention(q, k, v, False, None, None, 0.0, None, bias, None, None, None,
+                                  None, None, None, 0.0, False, True, True, topk=topk)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), (seqlen, topk)
+
+    for call in range(4):
+        step(8192, 512)
+        assert paths == ["plan"] * max(call - 1, 0), call
+    step(8000, 512)
+    step(8192, 256)
+    assert paths == ["plan"] * 2

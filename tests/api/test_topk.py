@@ -265,6 +265,30 @@ def test_topk_tile_states_never_hide_a_kept_key_nor_cut_a_full_tile(seed):
     assert (states == HIDDEN).any() and (states == FULL).any()
 
 
+@pytest.mark.skipif(GPU, reason="the kernels under the interpreter")
+@pytest.mark.parametrize("causal", [False, True])
+def test_topk_decoding_computes_nothing_with_torch(causal):
+    """A top-k decode step's own torch work is allocations and views alone (no fills, stack or
+    value read on the host: no sync), all of it what a call plan records and replays; its out
+    is that of attention with the brute-force keep mask."""
+    from omniattn.runtime import call_plans, launch
+
+    torch.manual_seed(7)
+    seqlen, topk = 300, 40
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    k, v = (torch.randn(2, seqlen, 2, 16, dtype=torch.float16) for _ in range(2))
+    bias = tied_scores((2, 2, 1, seqlen), 8).half()
+    assert omniattn.explain(q, k, v, attn_bias=bias, topk=topk, causal=causal) \
+        .forward.kernel == "fwd_decode"
+    with launch.record_launches() as launches, call_plans._Recorder(launches) as recorder:
+        out = omniattn.attention(q, k, v, attn_bias=bias, topk=topk, causal=causal)
+    assert recorder.replayable
+    keep = brute_force_topk(bias.float(), visible_keys(2, 2, 1, seqlen, causal=causal), topk)
+    expected = omniattn.attention(q, k, v, attn_bias=bias,
+                                  attn_mask=keep.repeat_interleave(2, 1), causal=causal)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

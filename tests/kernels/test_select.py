@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import omniattn
 from helpers import DEVICE, GPU, random_block_mask
@@ -92,10 +93,12 @@ def test_radix_select_matches_the_reference(case):
     assert_same_pairs(got, expected)
 
 
-def test_radix_select_with_its_gpu_digits(monkeypatch):
-    """4-bit digits (8 passes), as on the GPU; the interpreter's default is 8 bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_radix_select_with_its_gpu_digits(monkeypatch, dtype):
+    """4-bit digits (8 passes, 4 of 16-bit keys), as on the GPU; the interpreter's default is
+    8 bits."""
     monkeypatch.setattr(select, "INTERPRETER_RADIX_BITS", 4)
-    got, expected = run_both(2, 10, 33, 2, 1, 3, scores_with_ties((2, 1, 10, 33), 11),
+    got, expected = run_both(2, 10, 33, 2, 1, 3, scores_with_ties((2, 1, 10, 33), 11, dtype),
                              causal=True)
     assert_same_pairs(got, expected)
 
@@ -159,13 +162,38 @@ def test_split_select_matches_the_reference(monkeypatch, case, splits):
     assert_same_pairs(split[0], single[0])
 
 
-def test_split_select_with_its_gpu_digits(monkeypatch):
-    """4-bit digits (8 levels, 16 counts per row and level), as on the GPU."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_split_select_with_its_gpu_digits(monkeypatch, dtype):
+    """4-bit digits (8 levels, 4 of 16-bit keys; 16 counts per row and level), as on the GPU."""
     monkeypatch.setattr(select, "INTERPRETER_RADIX_BITS", 4)
     monkeypatch.setattr(select, "key_splits", lambda *args: 5)
-    got, expected = run_both(2, 2, 1000, 2, 2, 150, scores_with_ties((2, 2, 2, 1000), 90),
+    got, expected = run_both(2, 2, 1000, 2, 2, 150, scores_with_ties((2, 2, 2, 1000), 90, dtype),
                              window=(600, 0), row_lens=lengths(2, 2, 1000, 90))
     assert_same_pairs(got, expected)
+
+
+def test_half_keys_are_the_float32_keys_in_order():
+    """Every fp16 bit pattern (NaNs, infinities, -0 and subnormals among them): its 16-bit select
+    key orders and ties as its float32 order key, and the threshold written back from it is
+    that order key."""
+
+    @triton.jit
+    def keys_and_thresholds(Scores, Keys, Thresholds, N: tl.constexpr):
+        offs = tl.program_id(0) * N + tl.arange(0, N)
+        keys = select.half_order_keys(tl.load(Scores + offs))
+        tl.store(Keys + offs, keys.to(tl.int32))
+        tl.store(Thresholds + offs, select.row_threshold(keys, offs >= 0, Scores, 16))
+
+    scores = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16) \
+        .view(torch.float16).to(DEVICE)
+    keys, thresholds = (torch.empty(2 ** 16, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    keys_and_thresholds[(2 ** 6,)](scores, keys, thresholds, N=2 ** 10)
+    expected = order_keys(scores)
+    assert torch.equal(thresholds, expected)
+    order = torch.argsort(expected, stable=True)
+    keys, expected = keys[order], expected[order]
+    assert (keys[1:] >= keys[:-1]).all()
+    assert torch.equal(keys[1:] == keys[:-1], expected[1:] == expected[:-1])
 
 
 @pytest.mark.parametrize("bitmaps", [False, True])
@@ -231,16 +259,18 @@ def test_the_split_rule():
     assert rows == 4 and rows * keys == all_rows * all_keys
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_few_rows_take_the_split(monkeypatch, causal):
+def test_few_rows_take_the_split(monkeypatch, causal, dtype):
     """Under the interpreter's stand-in SM count a decoding shape splits, per-key scores under
-    causal too (at most RANGE_SELECT_ROWS rows): its launches."""
+    causal too (at most RANGE_SELECT_ROWS rows): its launches, a level per digit of 32-bit keys,
+    of 16-bit keys for 16-bit scores."""
     launched = []
     monkeypatch.setattr(select, "launch", lambda kernel, *args, **kwargs: launched.append(
         kernel.fn.__name__))
-    row_thresholds(100, Elementwise.of(torch.zeros(1, 2, 1, 3000, device=DEVICE), 2),
+    row_thresholds(100, Elementwise.of(torch.zeros(1, 2, 1, 3000, device=DEVICE, dtype=dtype), 2),
                    KernelArgs.make(8, causal, None, None, 0.0), 1, 1, 3000, 2, 2)
-    levels = 32 // select.INTERPRETER_RADIX_BITS
+    levels = (32 if dtype == torch.float32 else 16) // select.INTERPRETER_RADIX_BITS
     assert launched == ["_slice_digit_counts_kernel"] * levels + ["_slice_tie_bound_kernel"]
 
 

@@ -7,24 +7,28 @@ Two kernels, by the scores' form:
   key tiles once per RADIX_BITS-bit digit of the uint32 order keys, most significant first,
   counting per row the keys at or above each candidate digit; a last walk finds the tie bound
   where ties at the threshold are cut. Any scores and masks: causal / window / per-row lengths /
-  packed sequences are applied in-kernel, attn_mask and a block mask are read. Work: the visible
-  elements times (32 / RADIX_BITS + 1).
+  packed sequences are applied in-kernel, attn_mask and a block mask are read. The keys have
+  KEY_BITS bits: 32, or 16 for 16-bit scores (their own bits ordered: `half_order_keys`, one to
+  one with the float32 keys, so half the digits give the same pairs). Work: the visible
+  elements times (KEY_BITS / RADIX_BITS + 1).
   Split (`_slice_digit_counts_kernel`, `_slice_tie_bound_kernel`) where the row tiles are too
   few to fill the GPU (decoding: one row per (batch, head)): each row tile's key tiles are cut
   into slices, a program each. Per digit, one launch: every slice counts its keys in the
   bucket the earlier digits chose, by next digit, and adds them to the rows' counts (int32
-  atomics into (rows, 32 / RADIX_BITS, 2^RADIX_BITS)); each program replays the earlier
+  atomics into (rows, KEY_BITS / RADIX_BITS, 2^RADIX_BITS)); each program replays the earlier
   digits' choices from those sums. Then one launch for the pairs: the last digit's counts,
   kept per slice too, give each slice's ties at the threshold, so only the slice holding a
   row's last kept tie walks its keys again. The same pairs; work: the visible elements times
-  32 / RADIX_BITS, plus a slice; memory: (rows x (32 / RADIX_BITS + slices) x 2^RADIX_BITS)
+  KEY_BITS / RADIX_BITS, plus a slice; memory: (rows x (KEY_BITS / RADIX_BITS + slices) x
+  2^RADIX_BITS)
   int32, the rows padded to whole row tiles.
 - range select (kernels/select_ranges.py): per-key scores (one row for every query) whose rows
   see contiguous key ranges (causal, window, lengths, packed sequences, a per-key mask): a
   wavelet matrix over the keys' ranks answers each row in O(log Sk), where rescanning every
   causal prefix would be O(Sq x Sk).
 
-The launcher `row_thresholds` picks one; `reference.topk_thresholds` is the plain PyTorch twin.
+The launcher `threshold_pairs` (`row_thresholds`: as RowThresholds) picks one;
+`reference.topk_thresholds` is the plain PyTorch twin.
 """
 from __future__ import annotations
 
@@ -67,6 +71,41 @@ def order_keys(x):
 
 
 @triton.jit
+def half_order_keys(x):
+    """uint32 order keys in [0, 2^16) of 16-bit float scores, from their own bits as order_keys
+    takes float32's (-0 = +0, NaN above +inf): fp16 / bf16 widen to float32 exactly and in
+    order, so these are one to one with their order_keys, in the same order."""
+    bits = tl.where(x == 0, 0, x.to(tl.int16, bitcast=True).to(tl.int32))  # sign-extended
+    keys = bits ^ ((bits >> 31) & 0x7FFF)
+    return (tl.where(x != x, 0x7FFF, keys) + 0x8000).to(tl.uint32)
+
+
+@triton.jit
+def select_keys(x, KEY_BITS: tl.constexpr):
+    """The radix select's uint32 keys of scores x: order_keys, or half_order_keys (KEY_BITS
+    16, for 16-bit scores)."""
+    if KEY_BITS == 16:
+        keys = half_order_keys(x)
+    else:
+        keys = order_keys(x)
+    return keys
+
+
+@triton.jit
+def row_threshold(prefix, selects, Scores, KEY_BITS: tl.constexpr):
+    """int32 thresholds (predicate.RowThresholds) of select_keys (uint32 [BM]) of Scores'
+    dtype: the order key of the score a key stands for; KEEP_ALL for rows that keep every key
+    they see."""
+    if KEY_BITS == 16:
+        signed = prefix.to(tl.int32) - 0x8000
+        bits = (signed ^ ((signed >> 31) & 0x7FFF)).to(tl.int16)
+        threshold = signed_order_keys(bits.to(Scores.dtype.element_ty, bitcast=True))
+    else:
+        threshold = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+    return tl.where(selects, threshold, _KEEP_ALL)
+
+
+@triton.jit
 def block_mask_keep(states, slots, bits, stride_sq, stride_sk, stride_lq, stride_lk, rows, cols,
                     seqlen_q, seqlen_k, diag_offset, block_q, block_k, left, right,
                     HAS_BITS: tl.constexpr):
@@ -98,8 +137,9 @@ def tile_keys(scores, mask, states, slots, bits, rows, start_n, key_end, rows_le
               BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_MASK: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, HAS_BITS: tl.constexpr,
               SCORES_ROWS_SHARED: tl.constexpr, SCORES_COLS_SHARED: tl.constexpr,
-              MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr):
-    """(uint32 order keys [BM, BN], visible [BM, BN]) of key tile start_n for `rows`
+              MASK_ROWS_SHARED: tl.constexpr, MASK_COLS_SHARED: tl.constexpr,
+              KEY_BITS: tl.constexpr):
+    """(uint32 select_keys [BM, BN], visible [BM, BN]) of key tile start_n for `rows`
     (positions in the sequence; key_end [BM]: where each row's keys end, 0 past the last row).
     scores / mask point at the program's first row, key 0."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -108,7 +148,7 @@ def tile_keys(scores, mask, states, slots, bits, rows, start_n, key_end, rows_le
     raw = load_pair_tile(scores + start_n.to(tl.int64) * stride_sn, local_m, offs_n, stride_sm,
                          stride_sn, rows_left, seqlen_k - start_n, SCORES_ROWS_SHARED,
                          SCORES_COLS_SHARED, False, False)
-    keys = order_keys(raw) + tl.zeros([rows.shape[0], BLOCK_N], tl.uint32)
+    keys = select_keys(raw, KEY_BITS) + tl.zeros([rows.shape[0], BLOCK_N], tl.uint32)
     visible = visible_elements(rows, cols, key_end, diag_offset, window_left, window_right,
                                HAS_LEFT, HAS_RIGHT, True)
     if HAS_MASK:
@@ -181,7 +221,8 @@ def row_tile(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK,
 
 
 @triton.jit
-def visible_keys(view, start_n, FORM: tl.constexpr, BLOCK_N: tl.constexpr):
+def visible_keys(view, start_n, FORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KEY_BITS: tl.constexpr):
     """tile_keys of key tile start_n for the rows of a row_tile view."""
     (scores, mask, states, slots, bits, rows, key_end, rows_left, seqlen_q, seqlen_k,
      diag_offset, window_left, window_right, score_layout, mask_layout, block_layout) = view
@@ -190,7 +231,8 @@ def visible_keys(view, start_n, FORM: tl.constexpr, BLOCK_N: tl.constexpr):
                      score_layout[3], mask_layout[2], mask_layout[3], block_layout[2],
                      block_layout[3], block_layout[7], block_layout[8], block_layout[9],
                      block_layout[10], block_layout[11], block_layout[12], BLOCK_N, FORM[0],
-                     FORM[1], FORM[2], FORM[3], FORM[4], FORM[8], FORM[9], FORM[10], FORM[11])
+                     FORM[1], FORM[2], FORM[3], FORM[4], FORM[8], FORM[9], FORM[10], FORM[11],
+                     KEY_BITS)
 
 
 @triton.jit
@@ -200,21 +242,14 @@ def pair_offsets(out_layout, off_b, off_h, first_q, rows):
 
 
 @triton.jit
-def row_threshold(prefix, selects):
-    """int32 thresholds (predicate.RowThresholds) of uint32 order keys: KEEP_ALL for rows that
-    keep every key they see."""
-    return tl.where(selects, (prefix ^ 0x80000000).to(tl.int32, bitcast=True), _KEEP_ALL)
-
-
-@triton.jit
 def needed_tie(view, first, last, prefix, needed, seen, FORM: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
     """[BM] the index of each row's needed-th visible key scoring its threshold (prefix, uint32
     [BM]), counting `seen` [BM] such keys before key tile `first` and walking tiles [first,
     last); -1 where it lies beyond."""
     found = tl.full(needed.shape, -1, tl.int32)
     for i in range(last - first):
-        keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
+        keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N, KEY_BITS)
         tied = (visible & (keys == prefix[:, None])).to(tl.int32)
         running = seen[:, None] + tl.cumsum(tied, 1)
         cols = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,7 +263,7 @@ def needed_tie(view, first, last, prefix, needed, seen, FORM: tl.constexpr,
 def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ, CuSeqlensK,
                          SeqUsed, Threshold, LastTie, score_layout, mask_layout, block_layout,
                          out_layout, shape, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, RADIX: tl.constexpr):
+                         BLOCK_N: tl.constexpr, RADIX: tl.constexpr, KEY_BITS: tl.constexpr):
     """Threshold pairs of BLOCK_M rows of one (batch, output head): program (row tile,
     batch x heads_out); it walks every key its rows see once per digit."""
     off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = row_tile(
@@ -245,15 +280,15 @@ def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
     above = tl.zeros([BLOCK_M], tl.int32)
     n_visible = tl.zeros([BLOCK_M], tl.int32)
     at_least = tl.zeros([BLOCK_M], tl.int32)
-    shift = tl.full([], 32 - RADIX, tl.int32)
+    shift = tl.full([], KEY_BITS - RADIX, tl.int32)
     while shift >= 0:
         candidates = prefix[:, None] | (digits[None, :] << shift.to(tl.uint32))  # [BM, ND]
         counts = tl.zeros([BLOCK_M, NUM_DIGITS], tl.int32)
         for i in range(hi - lo):
-            keys, visible = visible_keys(view, (lo + i) * BLOCK_N, FORM, BLOCK_N)
+            keys, visible = visible_keys(view, (lo + i) * BLOCK_N, FORM, BLOCK_N, KEY_BITS)
             hits = (keys[:, :, None] >= candidates[:, None, :]) & visible[:, :, None]
             counts += tl.sum(hits.to(tl.int32), 1)
-        if shift == 32 - RADIX:  # digit 0 of the first pass counts every visible key
+        if shift == KEY_BITS - RADIX:  # digit 0 of the first pass counts every visible key
             n_visible = tl.sum(tl.where(digits[None, :] == 0, counts, 0), 1)
         # the largest digit with topk keys at or above it (counts fall as digits rise)
         digit = tl.maximum(tl.sum((counts >= topk).to(tl.int32), 1) - 1, 0)
@@ -272,15 +307,16 @@ def _radix_select_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlensQ,
     last_tie = tl.full([BLOCK_M], _EVERY_TIE, tl.int32)
     if tl.max(cut.to(tl.int32), 0) > 0:
         found = needed_tie(view, lo, hi, prefix, needed, tl.zeros([BLOCK_M], tl.int32), FORM,
-                           BLOCK_N)
+                           BLOCK_N, KEY_BITS)
         last_tie = tl.where(cut, found, last_tie)
     out = pair_offsets(out_layout, off_b, off_h, first_q, rows)
-    tl.store(Threshold + out, row_threshold(prefix, selects), mask=rows < seqlen_q)
+    tl.store(Threshold + out, row_threshold(prefix, selects, Scores, KEY_BITS),
+             mask=rows < seqlen_q)
     tl.store(LastTie + out, last_tie, mask=rows < seqlen_q)
 
 
 @triton.jit
-def level_descent(counts, num_levels, topk, RADIX: tl.constexpr):
+def level_descent(counts, num_levels, topk, RADIX: tl.constexpr, KEY_BITS: tl.constexpr):
     """The split select's digit choices over its first num_levels levels, replayed from their
     summed counts (counts [BM]: pointers at each row's Counts[row, 0, 0]; Counts[row, l, d]:
     the visible keys in the bucket of level l with digit d next). Each level takes the largest
@@ -293,7 +329,7 @@ def level_descent(counts, num_levels, topk, RADIX: tl.constexpr):
     above = tl.zeros(counts.shape, tl.int32)
     chosen = tl.zeros(counts.shape, tl.int32)
     n_visible = tl.zeros(counts.shape, tl.int32)
-    shift = tl.full([], 32 - RADIX, tl.int32)
+    shift = tl.full([], KEY_BITS - RADIX, tl.int32)
     for level in range(num_levels):
         bucket = tl.load(counts[:, None] + level * NUM_DIGITS + digits[None, :])
         n_visible = tl.where(level == 0, tl.sum(bucket, 1), n_visible)
@@ -336,7 +372,8 @@ def _slice_digit_counts_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeq
                                CuSeqlensK, SeqUsed, Counts, SliceCounts, score_layout,
                                mask_layout, block_layout, shape, num_splits, level,
                                FORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, RADIX: tl.constexpr):
+                               BLOCK_N: tl.constexpr, RADIX: tl.constexpr,
+                               KEY_BITS: tl.constexpr):
     """Level `level` of the split radix select: program (row tile x key slice, batch x
     heads_out) counts, for each row, the visible keys of its slice in the bucket the earlier
     levels chose, by their next digit, and adds them to Counts (batch x heads_out, row tiles x
@@ -349,18 +386,18 @@ def _slice_digit_counts_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeq
     _, _, _, _, rows, lo, hi, view = tile
     topk = shape[0]
     NUM_DIGITS: tl.constexpr = 1 << RADIX
-    NUM_LEVELS: tl.constexpr = 32 // RADIX
+    NUM_LEVELS: tl.constexpr = KEY_BITS // RADIX
     counts = Counts + row_index * NUM_LEVELS * NUM_DIGITS
-    prefix, _, _, n_visible = level_descent(counts, level, topk, RADIX)
+    prefix, _, _, n_visible = level_descent(counts, level, topk, RADIX, KEY_BITS)
     # rows seeing at most topk keys keep them all: a tile of only those stops after level 0
     if (level == 0) | (tl.max(n_visible, 0) > topk):
         digits = tl.arange(0, NUM_DIGITS)
-        shift = (tl.zeros([], tl.int32) + 32 - RADIX * (level + 1)).to(tl.uint32)
+        shift = (tl.zeros([], tl.int32) + KEY_BITS - RADIX * (level + 1)).to(tl.uint32)
         bucket = (prefix >> shift)[:, None] | digits[None, :].to(tl.uint32)  # [BM, ND]
         level_counts = tl.zeros([BLOCK_M, NUM_DIGITS], tl.int32)
         first, last = key_slice_tiles(lo, hi, key_slice, num_splits)
         for i in range(last - first):
-            keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N)
+            keys, visible = visible_keys(view, (first + i) * BLOCK_N, FORM, BLOCK_N, KEY_BITS)
             hits = ((keys >> shift)[:, :, None] == bucket[:, None, :]) & visible[:, :, None]
             level_counts += tl.sum(hits.to(tl.int32), 1)
         # rows past the last add zeros (they see no key) to rows of their own: no mask
@@ -376,7 +413,7 @@ def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlen
                             SeqUsed, Counts, SliceCounts, Threshold, LastTie, score_layout,
                             mask_layout, block_layout, out_layout, shape, num_splits,
                             FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            RADIX: tl.constexpr):
+                            RADIX: tl.constexpr, KEY_BITS: tl.constexpr):
     """The split radix select's threshold pairs, from every level's counts: program (row tile
     x key slice, batch x heads_out). Slice 0 writes its rows' thresholds, and their tie bounds
     where no tie at the threshold is cut; the slice holding a cut row's last kept tie (the
@@ -387,16 +424,16 @@ def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlen
     off_b, off_h, first_q, seqlen_q, rows, lo, hi, view = tile
     topk = shape[0]
     NUM_DIGITS: tl.constexpr = 1 << RADIX
-    NUM_LEVELS: tl.constexpr = 32 // RADIX
+    NUM_LEVELS: tl.constexpr = KEY_BITS // RADIX
     prefix, above, ties, n_visible = level_descent(Counts + row_index * NUM_LEVELS * NUM_DIGITS,
-                                                   NUM_LEVELS, topk, RADIX)
+                                                   NUM_LEVELS, topk, RADIX, KEY_BITS)
     selects = n_visible > topk
     needed = topk - above
     cut = selects & (ties > needed)
     inside = rows < seqlen_q
     out = pair_offsets(out_layout, off_b, off_h, first_q, rows)
     if key_slice == 0:
-        tl.store(Threshold + out, row_threshold(prefix, selects), mask=inside)
+        tl.store(Threshold + out, row_threshold(prefix, selects, Scores, KEY_BITS), mask=inside)
         tl.store(LastTie + out, tl.full([BLOCK_M], _EVERY_TIE, tl.int32), mask=inside & ~cut)
     if tl.max(cut.to(tl.int32), 0) > 0:
         # ties at the threshold in each slice: its count of the last level's chosen digit
@@ -409,7 +446,8 @@ def _slice_tie_bound_kernel(Scores, Mask, States, Slots, Bits, RowLens, CuSeqlen
         holds = cut & (before < needed) & (needed <= before + own)
         if tl.max(holds.to(tl.int32), 0) > 0:
             first, last = key_slice_tiles(lo, hi, key_slice, num_splits)
-            found = needed_tie(view, first, last, prefix, needed, before, FORM, BLOCK_N)
+            found = needed_tie(view, first, last, prefix, needed, before, FORM, BLOCK_N,
+                               KEY_BITS)
             tl.store(LastTie + out, found, mask=inside & holds)
 
 
@@ -418,13 +456,20 @@ def _head_div(heads_out: int, t: torch.Tensor | None) -> int:
     return heads_out if t is None else heads_out // t.shape[1]
 
 
-def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int, seqlen_q: int,
-                   seqlen_k: int, num_heads: int, num_heads_k: int,
-                   mask: Elementwise | None = None, block_mask=None,
-                   row_lens: torch.Tensor | None = None, packed: PackedSequences | None = None,
-                   total_q: int | None = None,
-                   seqused_k: torch.Tensor | None = None) -> RowThresholds:
-    """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter).
+def row_thresholds(*args, **kwargs) -> RowThresholds:
+    """threshold_pairs(*args, **kwargs) as RowThresholds (views of its two halves)."""
+    threshold, last_tie = threshold_pairs(*args, **kwargs)
+    return RowThresholds(threshold, last_tie)
+
+
+def threshold_pairs(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
+                    seqlen_q: int, seqlen_k: int, num_heads: int, num_heads_k: int,
+                    mask: Elementwise | None = None, block_mask=None,
+                    row_lens: torch.Tensor | None = None,
+                    packed: PackedSequences | None = None, total_q: int | None = None,
+                    seqused_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The threshold pairs of `reference.topk_thresholds` on the GPU (or the interpreter), in
+    one tensor as the attention kernels read them (TopkTerm.pairs).
 
     scores / mask: (B|1, Hm, Sq|1, Sk|1) as the attention kernels read them (packed: the
     (1, Hm, total_q|1, max_k|1) view); args: the causal / window bounds; block_mask: an
@@ -432,8 +477,9 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     row_lens: int32 (B, Sq) (packed: (total_q,)); packed: (Sq, Sk) are then the longest and
     total_q the packed rows; seqused_k: int32 (B,), not packed: sequence b selects among its
     first seqused_k[b] keys, causal / window aligned to them (split-KV decoding's paged or
-    partly used caches; Sk is then what a sequence can hold). Returns int32 (B, Hs, Sq|1)
-    (packed: (1, Hs, total_q)), Hs the selection's heads."""
+    partly used caches; Sk is then what a sequence can hold). Returns int32 (2, B, Hs, Sq|1)
+    (packed: (2, 1, Hs, total_q)), Hs the selection's heads: [0] the thresholds, [1] the last
+    ties."""
     device = scores.tensor.device
     head_counts = [scores.tensor.shape[1]] + ([mask.tensor.shape[1]] if mask is not None else [])
     if block_mask is not None:
@@ -443,19 +489,26 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
         or args.masked or block_mask is not None or row_lens is not None
     num_rows = seqlen_q if rows_differ else 1
     out_shape = (1, heads, total_q) if packed is not None else (batch, heads, num_rows)
-    threshold = torch.full(out_shape, KEEP_ALL, dtype=torch.int32, device=device)
-    last_tie = torch.full(out_shape, EVERY_TIE, dtype=torch.int32, device=device)
-    if topk >= seqlen_k or threshold.numel() == 0:
-        return RowThresholds(threshold, last_tie)
+    pairs = torch.empty((2, *out_shape), dtype=torch.int32, device=device)
+    threshold, last_tie = pairs
+    selects = topk < seqlen_k and threshold.numel() > 0
     # per-key scores of more rows than a radix row tile holds take the range select; fewer
     # (decoding's) take the radix select, split over the GPU: it reads the keys once per digit
     # for all of them, where the range select would sort them and build a wavelet matrix's
     # log2(Sk) levels in one program per key array
-    if scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
-            and (rows_differ or packed is not None) and seqlen_q > RANGE_SELECT_ROWS:
+    ranges = scores.rows_shared and (mask is None or mask.rows_shared) and block_mask is None \
+        and (rows_differ or packed is not None) and seqlen_q > RANGE_SELECT_ROWS
+    # the radix select writes every pair of padded rows: no fill kernels (or torch.full, which
+    # call plans do not replay) where it runs
+    if not selects or ranges or packed is not None:
+        threshold.fill_(KEEP_ALL)
+        last_tie.fill_(EVERY_TIE)
+    if not selects:
+        return pairs
+    if ranges:
         range_thresholds(topk, scores, mask, args, batch, seqlen_q, seqlen_k, row_lens, packed,
                          threshold, last_tie, seqused_k)
-        return RowThresholds(threshold, last_tie)
+        return pairs
     block_m, block_n, radix = radix_tiles(num_rows)
     unused = (placeholder(device, torch.float32), (0, 0, 0, 0, 1))
     if block_mask is not None:
@@ -491,14 +544,16 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
     row_tiles = cdiv(num_rows, block_m)
     splits = key_splits(row_tiles * batch_heads, cdiv(seqlen_k, block_n),
                         INTERPRETER_SM_COUNT if interpreting() else sm_count(device))
-    tiles = dict(FORM=form, BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix,
+    # 16-bit scores: 16-bit keys, half the digits (the split select's levels: half its launches)
+    key_bits = 16 if score_tensor.element_size() == 2 else 32
+    tiles = dict(FORM=form, BLOCK_M=block_m, BLOCK_N=block_n, RADIX=radix, KEY_BITS=key_bits,
                  num_warps=1 if interpreting() else RADIX_NUM_WARPS)
     if splits == 1:
         launch(_radix_select_kernel, (row_tiles, batch_heads), *sources, threshold, last_tie,
                *layouts, out_layout, shape, **tiles)
-        return RowThresholds(threshold, last_tie)
+        return pairs
     # the split select: per level, each slice adds its counts to its rows'; then the pairs
-    num_levels, num_digits = 32 // radix, 1 << radix
+    num_levels, num_digits = key_bits // radix, 1 << radix
     counts = torch.zeros(batch_heads, row_tiles * block_m, num_levels, num_digits,
                          dtype=torch.int32, device=device)
     slice_counts = torch.empty(batch_heads, row_tiles * block_m, splits, num_digits,
@@ -509,7 +564,7 @@ def row_thresholds(topk: int, scores: Elementwise, args: KernelArgs, batch: int,
                splits, level, **tiles)
     launch(_slice_tie_bound_kernel, grid, *sources, counts, slice_counts, threshold, last_tie,
            *layouts, out_layout, shape, splits, **tiles)
-    return RowThresholds(threshold, last_tie)
+    return pairs
 
 
 def radix_tiles(num_rows: int) -> tuple[int, int, int]:
@@ -564,7 +619,7 @@ def _keep_mask_kernel(
         tl.where(inside, seqlen_k, 0), seqlen_q - start_m, seqlen_q, seqlen_k,
         seqlen_k - seqlen_q, window_left, window_right, stride_sm, stride_sn, stride_mm,
         stride_mn, 0, 0, 0, 0, 1, 1, -1, -1, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_MASK, False,
-        False, SCORES_ROWS_SHARED, SCORES_COLS_SHARED, MASK_ROWS_SHARED, MASK_COLS_SHARED)
+        False, SCORES_ROWS_SHARED, SCORES_COLS_SHARED, MASK_ROWS_SHARED, MASK_COLS_SHARED, 32)
     pairs = off_b.to(tl.int64) * stride_tb + (off_h // threshold_div) * stride_th \
         + rows * stride_tm
     threshold = tl.load(Threshold + pairs, mask=inside, other=0)
