@@ -31,6 +31,50 @@ ATOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 _all_gather = dist.all_gather
 
 
+# ---- the command line ----
+
+def add_run_arguments(parser, methods, cases, heads: int, warmup: str, reps: int) -> None:
+    """The options both scripts take: the methods and cases, shapes, the timing's calls, the
+    processes, the output and the CPU smoke mode (heads / reps: their GPU defaults; warmup:
+    its help)."""
+    parser.add_argument("--methods", nargs="+", choices=methods, default=list(methods))
+    parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=None, help=f"default {heads} (smoke 4)")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (smoke 16)")
+    parser.add_argument("--warmup", type=int, default=None, help=warmup)
+    parser.add_argument("--reps", type=int, default=None, help=f"default {reps} (smoke 2)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="processes: default every visible GPU (smoke 2)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="the same code on the CPU at tiny sizes: gloo, the reference path")
+
+
+def defaults(args):
+    """pick(value, gpu, cpu): value where given, else the GPU run's or the smoke run's default;
+    a GPU run with no GPU visible stops here."""
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU visible: run on GPUs, or pass --cpu-smoke")
+
+    def pick(value, gpu, cpu):
+        return value if value is not None else cpu if smoke else gpu
+
+    return pick
+
+
+def shared_settings(args, pick, heads: int, reps: int) -> dict:
+    """The Settings fields both scripts fill alike from add_run_arguments' options."""
+    smoke = args.cpu_smoke
+    return dict(device="cpu" if smoke else "cuda",
+                world=pick(args.world, torch.cuda.device_count() if not smoke else 0, 2),
+                batch=args.batch, heads=pick(args.heads, heads, 4),
+                head_dim=pick(args.head_dim, 128, 16), dtype="float32" if smoke else "bfloat16",
+                cases=tuple(args.cases), methods=tuple(args.methods),
+                reps=pick(args.reps, reps, 2))
+
+
 # ---- the processes ----
 
 def rank_environment(device: str) -> None:

@@ -56,9 +56,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_common import (ATOL, comm_share, environment, every_rank, init_group, local_collectives,
-                       max_error, median_ms, rank_device, rank_environment, recorded,
-                       shard_inputs, spawned, steps, write_json)
+from cp_common import (ATOL, add_run_arguments, comm_share, defaults, environment, every_rank,
+                       init_group, local_collectives, max_error, median_ms, rank_device,
+                       rank_environment, recorded, shard_inputs, shared_settings, spawned, steps,
+                       write_json)
 
 CASES = ("causal", "bias_topk")
 METHODS = ("ring", "ulysses", "auto")
@@ -510,37 +511,16 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
     parser.add_argument("--topk", type=int, default=None, help="default 4096 (smoke 16)")
     parser.add_argument("--check-rows", type=int, default=None,
                         help="query rows checked (default 64; smoke 16)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=None, help="default 32 (smoke 4)")
     parser.add_argument("--heads-k", type=int, default=None, help="default 8 (smoke 2)")
-    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (smoke 16)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=None, help="default 3 (smoke 2)")
-    parser.add_argument("--world", type=int, default=None,
-                        help="processes: default every visible GPU (smoke 2)")
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="the same code on the CPU at tiny sizes: gloo, the reference path")
+    add_run_arguments(parser, METHODS, CASES, heads=32, warmup="default 1", reps=3)
     args = parser.parse_args(argv)
-    smoke = args.cpu_smoke
-
-    def pick(value, gpu, cpu):
-        return value if value is not None else cpu if smoke else gpu
-
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU visible: run on GPUs, or pass --cpu-smoke")
+    pick = defaults(args)
     settings = Settings(
-        device="cpu" if smoke else "cuda",
-        world=pick(args.world, torch.cuda.device_count() if not smoke else 0, 2),
-        batch=args.batch, heads=pick(args.heads, 32, 4), heads_k=pick(args.heads_k, 8, 2),
-        head_dim=pick(args.head_dim, 128, 16), dtype="float32" if smoke else "bfloat16",
+        **shared_settings(args, pick, heads=32, reps=3), heads_k=pick(args.heads_k, 8, 2),
         seqlen=pick(args.seqlen, 1048576, 256),
         baseline_seqlen=pick(args.baseline_seqlen, 131072, 128),
         topk=pick(args.topk, 4096, 16), check_rows=pick(args.check_rows, 64, 16),
-        cases=tuple(args.cases), methods=tuple(args.methods), warmup=args.warmup,
-        reps=pick(args.reps, 3, 2))
+        warmup=pick(args.warmup, 1, 1))
     return settings, args.json
 
 

@@ -38,9 +38,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_common import (ATOL, comm_share, environment, every_rank_object, init_group,
-                       local_collectives, max_error, median_ms, profiled, rank_device,
-                       rank_environment, recorded, shard_inputs, spawned, steps, write_json)
+from cp_common import (ATOL, add_run_arguments, comm_share, defaults, environment,
+                       every_rank_object, init_group, local_collectives, max_error, median_ms,
+                       profiled, rank_device, rank_environment, recorded, shard_inputs,
+                       shared_settings, spawned, steps, write_json)
 
 CASES = ("causal", "bias_window")
 METHODS = ("ring", "ulysses")
@@ -329,37 +330,17 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
     parser.add_argument("--check-seqlen", type=int, default=None,
                         help="the length of the 2x-rule check (default 8192; smoke 128)")
     parser.add_argument("--window", type=int, default=None, help="default S / 4")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=None, help="default 16 (smoke 4)")
-    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (smoke 16)")
-    parser.add_argument("--warmup", type=int, default=None, help="default 2 (smoke 1)")
-    parser.add_argument("--reps", type=int, default=None, help="default 7 (smoke 2)")
-    parser.add_argument("--world", type=int, default=None,
-                        help="processes: default every visible GPU (smoke 2)")
-    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--profile", action="store_true",
                         help="also each rank's largest kernels of one call of each mode")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="the same code on the CPU at tiny sizes: gloo, the reference path")
+    add_run_arguments(parser, METHODS, CASES, heads=16, warmup="default 2 (smoke 1)", reps=7)
     args = parser.parse_args(argv)
-    smoke = args.cpu_smoke
-
-    def pick(value, gpu, cpu):
-        return value if value is not None else cpu if smoke else gpu
-
-    if not smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU visible: run on GPUs, or pass --cpu-smoke")
+    pick = defaults(args)
     settings = Settings(
-        device="cpu" if smoke else "cuda",
-        world=pick(args.world, torch.cuda.device_count() if not smoke else 0, 2),
-        batch=args.batch, heads=pick(args.heads, 16, 4), head_dim=pick(args.head_dim, 128, 16),
-        dtype="float32" if smoke else "bfloat16",
+        **shared_settings(args, pick, heads=16, reps=7),
         seqlens=tuple(pick(args.seqlen, [131072], [256])),
         check_seqlen=pick(args.check_seqlen, 8192, 128), window=args.window,
-        block_size=16 if smoke else 128, cases=tuple(args.cases), methods=tuple(args.methods),
-        warmup=pick(args.warmup, 2, 1), reps=pick(args.reps, 7, 2), profile=args.profile)
+        block_size=16 if args.cpu_smoke else 128, warmup=pick(args.warmup, 2, 1),
+        profile=args.profile)
     return settings, args.json
 
 
