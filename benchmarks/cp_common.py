@@ -75,6 +75,24 @@ def shared_settings(args, pick, heads: int, reps: int) -> dict:
                 reps=pick(args.reps, reps, 2))
 
 
+def run_and_report(settings, json_path: str | None, run, table) -> None:
+    """The scripts' main: run(settings) -> results, timed; table(results) printed with the
+    failures and the wall time; the JSON written; a failure exits 1."""
+    rank_environment(settings.device)
+    began = time.perf_counter()
+    results = run(settings)
+    results["environment"]["wall_s"] = round(time.perf_counter() - began, 1)
+    print(table(results))
+    for failure in results["failures"]:
+        print(f"FAILED, results incomplete: {failure}")
+    print(f"{results['environment']['device']} x {settings.world}, "
+          f"{results['environment']['wall_s']} s")
+    if json_path:
+        write_json(json_path, results)
+    if results["failures"]:
+        raise SystemExit(1)
+
+
 # ---- the processes ----
 
 def rank_environment(device: str) -> None:

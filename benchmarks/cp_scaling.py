@@ -33,15 +33,14 @@ import dataclasses
 import json
 import pathlib
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 from cp_common import (ATOL, add_run_arguments, comm_share, defaults, environment,
                        every_rank_object, init_group, local_collectives, max_error, median_ms,
-                       profiled, rank_device, rank_environment, recorded, shard_inputs,
-                       shared_settings, spawned, steps, write_json)
+                       profiled, rank_device, recorded, run_and_report, shard_inputs,
+                       shared_settings, spawned, steps)
 
 CASES = ("causal", "bias_window")
 METHODS = ("ring", "ulysses")
@@ -347,19 +346,8 @@ def parse_settings(argv=None) -> tuple[Settings, str | None]:
 def main(argv=None) -> None:
     settings, json_path = parse_settings(argv)
     check_settings(settings)
-    rank_environment(settings.device)
-    began = time.perf_counter()
-    results = run(settings)
-    results["environment"]["wall_s"] = round(time.perf_counter() - began, 1)
-    print(table(results["results"], results["checks"], settings.world))
-    for failure in results["failures"]:
-        print(f"FAILED, results incomplete: {failure}")
-    print(f"{results['environment']['device']} x {settings.world}, "
-          f"{results['environment']['wall_s']} s")
-    if json_path:
-        write_json(json_path, results)
-    if results["failures"]:
-        raise SystemExit(1)
+    run_and_report(settings, json_path, run,
+                   lambda results: table(results["results"], results["checks"], settings.world))
 
 
 if __name__ == "__main__":

@@ -5,19 +5,11 @@ the check of sampled rows, the JSON and the table), and its host-side logic."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from benchmark_scripts import benchmark_module
-
-ROOT = pathlib.Path(__file__).parents[2]
-SCRIPT = ROOT / "benchmarks" / "cp_million.py"
+from benchmark_scripts import benchmark_module, smoke_run
 
 
 def _script():
@@ -25,14 +17,7 @@ def _script():
 
 
 def test_cpu_smoke_run(tmp_path):
-    results_file = tmp_path / "cp.json"
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--json",
-                          str(results_file)], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(results_file.read_text())
+    results, stdout = smoke_run("cp_million", tmp_path)
     assert results["failures"] == []
     environment = results["environment"]
     assert environment["device"] == "cpu" and environment["devices"] == 2
@@ -71,8 +56,8 @@ def test_cpu_smoke_run(tmp_path):
             assert row["fwd_bwd_ms"] == rows[(case, "ulysses")]["fwd_bwd_ms"]
         else:
             assert row["explain"].startswith(f"method: {method} (asked for:")
-    assert "bias_topk ring            | refused: method='ring' cannot run" in run.stdout
-    assert "causal    auto->ulysses   |" in run.stdout
+    assert "bias_topk ring            | refused: method='ring' cannot run" in stdout
+    assert "causal    auto->ulysses   |" in stdout
 
 
 def test_sample_rows_hold_the_boundaries_the_last_rows_and_the_kth_key():

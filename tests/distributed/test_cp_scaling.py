@@ -3,19 +3,11 @@ its whole run on the CPU at tiny sizes (--cpu-smoke: gloo, 2 processes, the refe
 timings with and without communication, the checks, the JSON), and its host-side logic."""
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from benchmark_scripts import benchmark_module
-
-ROOT = pathlib.Path(__file__).parents[2]
-SCRIPT = ROOT / "benchmarks" / "cp_scaling.py"
+from benchmark_scripts import benchmark_module, smoke_run
 
 
 def _script():
@@ -23,14 +15,7 @@ def _script():
 
 
 def test_cpu_smoke_run(tmp_path):
-    results_file = tmp_path / "cp.json"
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--profile", "--json",
-                          str(results_file)], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(results_file.read_text())
+    results, stdout = smoke_run("cp_scaling", tmp_path, "--profile")
     assert results["failures"] == []
     environment = results["environment"]
     assert environment["device"] == "cpu" and environment["devices"] == 2
@@ -55,7 +40,7 @@ def test_cpu_smoke_run(tmp_path):
     assert len(checks) == 4 and all(c["ok"] for c in checks), checks
     assert set(checks[0]["errors"]) >= {"out", "lse", "dq", "dk", "dv"}
     assert "dbias" in next(c for c in checks if c["case"] == "bias_window")["errors"]
-    assert "check causal ring S128: ok" in run.stdout
+    assert "check causal ring S128: ok" in stdout
 
 
 def test_lengths_and_heads_refused_before_any_process():
