@@ -13,7 +13,7 @@ from omniattn.bench import plot, report, timing
 from omniattn.bench.pairs import (block_mask_pairs, computed_pairs, element_mask_pairs,
                                   row_lengths_pairs, visible_pairs, workload_pairs)
 from omniattn.bench.providers import BuiltAttention, forward_plan, provider_builders, providers_for
-from omniattn.bench.workloads import (DOCUMENTS, DYNAMIC_BIASES, ROW_LENGTHS, SPARSE_DENSITIES,
+from omniattn.bench.workloads import (DOCUMENTS, ROW_LENGTHS, SPARSE_DENSITIES,
                                       ExtraInputs, make_inputs, workload_block_mask,
                                       workload_documents, workload_row_lengths)
 from omniattn.predicate import RelativePredicate
@@ -398,6 +398,33 @@ def test_dynamic_providers_agree(reference_path, bias):
         torch.testing.assert_close(ours, sdpa)
 
 
+@pytest.mark.parametrize("bias, heads_k", [("key", 2), ("kv_key", 1)])
+def test_selection_inside_attention_workloads(reference_path, bias, heads_k):
+    """No mask: attention selects; omniattn alone runs it, with topk, and matches the call with
+    the materialised keep mask; the reference path counts the kept pairs, the kernels the
+    causal tiles the top-k tile states leave (fewer than the causal ones, at least the kept)."""
+    workload = bench.Workload("sel", 1, 128, 128, 2, heads_k, 16, True, torch.float32, topk=8,
+                              bias=bias, select=True)
+    extra = ExtraInputs(workload, "cpu")
+    assert extra.keep is None and extra.bias.shape == (1, 2 if bias == "key" else 1, 1, 128)
+    assert providers_for(workload, bench.PROVIDERS) == ("omniattn",)
+    q, k, v, dout = make_inputs(workload, torch.device("cpu"), requires_grad=True)
+    out = provider_builders()["omniattn"](workload, torch.device("cpu"), extra).fn(q, k, v)
+    keep = omniattn.topk_mask(extra.bias.detach(), 8, causal=True, seqlen_q=128)
+    torch.testing.assert_close(out, omniattn.attention(q, k, v, causal=True, attn_mask=keep,
+                                                       attn_bias=extra.bias))
+    [row] = bench.run_suite([workload], providers=["omniattn", "sdpa-math"], modes=("fwd",),
+                            progress=False, device="cpu")
+    kept = sum(min(i + 1, 8) for i in range(128))
+    assert row["provider"] == "omniattn" and row["flops"] == row["flops_exact"] == 4 * 2 * 16 * kept
+    computed, exact, fraction = workload_pairs(workload, extra, (16, 16))
+    causal = sum(16 * min(16 * (m + 1), 128) for m in range(8))
+    assert exact == kept and kept <= computed <= causal and 0 < fraction <= 1
+    with pytest.raises(ValueError, match="key bias"):
+        bench.Workload("sel", 1, 64, 64, 2, 2, 16, True, torch.float32, topk=8, bias="full",
+                       select=True)
+
+
 def test_dynamic_workloads_skip_sdpa_flash_and_cudnn(reference_path):
     workload = _tiny_dynamic("dyn", "key")
     assert providers_for(workload, bench.PROVIDERS) == (
@@ -484,8 +511,11 @@ def test_every_suite_constructs(device):
     assert [w.density for w in suites["sparse"]] == list(SPARSE_DENSITIES)
     assert all(w.heads != w.heads_k and w.causal for w in suites["gqa"])
     assert {w.head_dim for w in suites["headdim"]} == {64, 256}
-    assert [w.bias for w in suites["dynamic"]] == list(DYNAMIC_BIASES)
-    assert all(w.causal and w.topk == w.seqlen_k // 4 for w in suites["dynamic"])
+    masked = [w for w in suites["dynamic"] if not w.select]
+    assert [w.bias for w in masked] == ["full", "key"]
+    assert all(w.causal and w.topk == w.seqlen_k // 4 for w in masked)
+    assert all(w.causal and w.bias in ("key", "kv_key")
+               for w in suites["dynamic"] if w.select)
     assert [w.row_lengths for w in suites["rows"]] == [None, *ROW_LENGTHS]
     assert all(w.window is not None and not w.causal for w in suites["window"])
     head_dims = (128, 256) if device == "cuda" else (64,)
@@ -507,7 +537,7 @@ def test_every_suite_constructs(device):
         for workload in suites["dynamic"]:
             extra = ExtraInputs(workload, device)
             shape = (workload.batch, workload.heads, workload.seqlen_q, workload.seqlen_k)
-            assert extra.keep.shape == shape
+            assert extra.keep is None if workload.select else extra.keep.shape == shape
             assert extra.bias.dtype == workload.dtype and extra.bias.requires_grad
         for workload in suites["rows"][1:]:
             lens = ExtraInputs(workload, device).row_lens
@@ -536,12 +566,20 @@ def test_seqlen_suite_on_gpu():
 
 
 def test_dynamic_suite_on_gpu():
-    """Issue #4's workloads: B2 H16 D128 4k bf16, causal, 1024 keys per row."""
+    """Issue #4's workloads: B2 H16 D128 4k bf16, causal, 1024 keys per row; then issue #53's
+    selection inside attention at 4k, 32k and 128k (K 2048, GQA 16/4 with per-KV-head scores
+    past 4k)."""
     dynamic = bench.default_workloads("cuda", "dynamic")
     assert [(w.name, w.batch, w.seqlen_q, w.heads, w.heads_k, w.head_dim, w.dtype, w.causal,
-             w.topk, w.bias) for w in dynamic] == [
-        ("dyn-full-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "full"),
-        ("dyn-key-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "key"),
+             w.topk, w.bias, w.select) for w in dynamic] == [
+        ("dyn-full-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "full", False),
+        ("dyn-key-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "key", False),
+        ("dyn-select-key-b2-s4096", 2, 4096, 16, 16, 128, torch.bfloat16, True, 1024, "key",
+         True),
+        ("dyn-select-kv_key-b1-s32768-hk4", 1, 32768, 16, 4, 128, torch.bfloat16, True, 2048,
+         "kv_key", True),
+        ("dyn-select-kv_key-b1-s131072-hk4", 1, 131072, 16, 4, 128, torch.bfloat16, True, 2048,
+         "kv_key", True),
     ]
 
 

@@ -1,16 +1,19 @@
 """The work `omniattn bench` counts: (query, key) pairs inside the tiles omniattn's forward
 kernel computes (`computed_pairs` for dense, causal and windows, `block_mask_pairs` for block
-masks, `element_mask_pairs` for element masks, `row_lengths_pairs` for per-row key lengths), so
-TFLOP/s compares providers on equal work, and the exact visible pairs (`visible_pairs`) beside
-them."""
+masks, `element_mask_pairs` for element masks, `row_lengths_pairs` for per-row key lengths,
+`selection_pairs` for top-k selected inside attention), so TFLOP/s compares providers on equal
+work, and the exact visible pairs (`visible_pairs`) beside them."""
 from __future__ import annotations
 
 import torch
 import triton
 
 import omniattn
+from omniattn.kernels.elementwise import Elementwise, TopkTerm, topk_tile_states
+from omniattn.kernels.schedule import KernelArgs
+from omniattn.kernels.select import threshold_pairs
 from omniattn.plan import groups_rows_by_length
-from omniattn.predicate import RelativePredicate
+from omniattn.predicate import HIDDEN, RelativePredicate
 
 from .workloads import ExtraInputs, Workload
 
@@ -119,6 +122,36 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool,
     return pairs
 
 
+def selection_pairs(workload: Workload, extra: ExtraInputs, tiles: tuple[int, int] | None
+                    ) -> tuple[float, float, float | None]:
+    """(pairs in the tiles the forward walks, kept pairs, walked fraction of the causal tiles)
+    per (batch, head) of a workload selecting inside attention (causal, the key bias its
+    scores): row i keeps min(i + 1, topk) keys; the kernels walk the causal tiles that the
+    top-k tile states do not hide (`topk_tile_states`, from the rows' threshold pairs, computed
+    here outside any timed call). tiles None (the reference, which has none): the kept pairs,
+    counted one by one."""
+    seqlen, topk = workload.seqlen_q, workload.topk
+    kept = sum(min(i + 1, topk) for i in range(seqlen))
+    if tiles is None:
+        return kept, kept, None
+    block_m, block_n = tiles
+    scores = Elementwise.of(extra.bias.detach(), workload.heads)
+    args = KernelArgs.make(workload.head_dim, True, None, None, 0.0)
+    pairs = threshold_pairs(topk, scores, args, workload.batch, seqlen, seqlen, workload.heads,
+                            workload.heads_k)
+    states = topk_tile_states(TopkTerm(scores, pairs), seqlen, seqlen, block_m, block_n).cpu()
+    n_q, n_k = triton.cdiv(seqlen, block_m), triton.cdiv(seqlen, block_n)
+    rows = (seqlen - torch.arange(n_q) * block_m).clamp(max=block_m)
+    cols = (seqlen - torch.arange(n_k) * block_n).clamp(max=block_n)
+    causal = torch.arange(n_k)[None, :] * block_n <= torch.arange(n_q)[:, None] * block_m \
+        + block_m - 1
+    walked = (states != HIDDEN) & causal  # (B|1, Hs, n_q, n_k)
+    entries = walked.shape[0] * walked.shape[1]
+    computed = (walked * rows[:, None] * cols[None, :]).sum().item() / entries
+    return computed, kept, walked.count_nonzero().item() / (causal.count_nonzero().item()
+                                                             * entries)
+
+
 def flop_count(workload: Workload, pairs: int, mode: str) -> float:
     # 2 matmuls (QK^T, PV) of 2 FLOPs per multiply-add
     fwd = 4 * workload.batch * workload.heads * workload.head_dim * pairs
@@ -139,6 +172,8 @@ def workload_pairs(workload: Workload, extra: ExtraInputs,
         return pairs, pairs, None
     if extra.keep is not None:
         return element_mask_pairs(extra.keep, workload.causal, block_m, block_n)
+    if workload.select:
+        return selection_pairs(workload, extra, tiles)
     if extra.row_lens is not None:
         grouped = not workload.causal and groups_rows_by_length(
             workload.seqlen_q, workload.head_dim, workload.dtype)

@@ -47,7 +47,8 @@ def _omniattn_options(workload: Workload, extra: ExtraInputs) -> dict:
                     max_seqlen_k=extra.max_document, check_inputs=False)
     return dict(causal=workload.causal, window=workload.window, block_mask=extra.block_mask,
                 attn_mask=extra.keep, attn_bias=extra.bias, seqlens_k_per_row=extra.row_lens,
-                block_table=extra.block_table, check_inputs=False)
+                block_table=extra.block_table, check_inputs=False,
+                topk=workload.topk if workload.select else None)
 
 
 def _omniattn(workload: Workload, device: torch.device, extra: ExtraInputs) -> BuiltAttention:
@@ -175,8 +176,9 @@ def default_providers(device: str | torch.device) -> tuple[str, ...]:
 
 def providers_for(workload: Workload, providers: tuple[str, ...]) -> tuple[str, ...]:
     """The providers that run the workload: those that take its kind of mask (pages: omniattn
-    alone; its contiguous row of the same shape is the others' comparison)."""
-    if workload.page_size is not None:
+    alone, its contiguous row of the same shape is the others' comparison; a selection inside
+    attention: omniattn alone, the masked row of its shape at 4k is the others')."""
+    if workload.page_size is not None or workload.select:
         runnable = ("omniattn",)
     elif workload.density is not None:
         runnable = BLOCK_MASK_PROVIDERS

@@ -20,7 +20,12 @@ SEQLEN_SUITE_TOKENS = 16384
 # reference their times scale against
 SPARSE_DENSITIES = (1.0, 0.50, 0.26, 0.11)
 # learnable biases of the "dynamic" suite, by name: their shapes
-DYNAMIC_BIASES = {"full": "(B, H, Sq, Sk)", "key": "(B, H, 1, Sk)"}
+DYNAMIC_BIASES = {"full": "(B, H, Sq, Sk)", "key": "(B, H, 1, Sk)",
+                  "kv_key": "(B, Hk, 1, Sk)"}
+# the "dynamic" suite's calls that select inside attention (topk=, the key bias the scores), at
+# issue #53's lengths: (batch, seqlen, heads, heads_k, topk, bias); no (Sq, Sk) mask exists there
+DYNAMIC_SELECT_SHAPES = ((2, 4096, 16, 16, 1024, "key"), (1, 32768, 16, 4, 2048, "kv_key"),
+                         (1, 131072, 16, 4, 2048, "kv_key"))
 # per-row key lengths of the "rows" suite (seqlens_k_per_row), by name: query row i of batch b
 # sees keys [0, lengths[b, i])
 ROW_LENGTHS = {"uniform": "uniform in [1, Sk]", "progressive": "i + 1"}
@@ -39,7 +44,8 @@ class Workload:
     (block_size x block_size) blocks is the only mask (see `workload_block_mask`). `topk` set (a
     dynamic workload): a top-k element mask keeping `topk` keys per query row, within causal if
     `causal` (see `workload_keep_mask`), plus a learnable `bias` named in DYNAMIC_BIASES (see
-    `workload_bias`). `row_lengths` set (a rows workload): per-row key lengths named in
+    `workload_bias`); with `select` no mask: attention selects the `topk` keys itself, the key
+    bias its scores (omniattn alone). `row_lengths` set (a rows workload): per-row key lengths named in
     ROW_LENGTHS are the only mask (see `workload_row_lengths`). `window` set (a window
     workload): attention's window (left, right), -1 unbounded, is the only mask. `documents` set
     (a varlen workload): one batch of seqlen_q tokens packed from documents whose lengths are
@@ -66,6 +72,7 @@ class Workload:
     documents: str | None = None
     forward_only: bool = False
     page_size: int | None = None
+    select: bool = False
 
     def __post_init__(self):
         if self.density is not None and not 0 < self.density <= 1:
@@ -83,6 +90,9 @@ class Workload:
         if self.bias is not None and self.bias not in DYNAMIC_BIASES:
             raise ValueError(f"{self.name}: bias must be one of {list(DYNAMIC_BIASES)}, "
                              f"got {self.bias!r}")
+        if self.select and self.bias not in ("key", "kv_key"):
+            raise ValueError(f"{self.name}: a workload that selects inside attention takes a "
+                             f"key bias (its scores), 'key' or 'kv_key', got {self.bias!r}")
         if self.row_lengths is not None:
             if self.row_lengths not in ROW_LENGTHS:
                 raise ValueError(f"{self.name}: row_lengths must be one of {list(ROW_LENGTHS)}, "
@@ -186,9 +196,15 @@ def _dynamic_suite(cuda: bool) -> list[Workload]:
     else:
         batch, seqlen, heads, head_dim, dtype = 1, 256, 2, 64, torch.float32
     # issue #4's workload keeps a quarter of the keys per row: 1024 at 4k
-    return [Workload(f"dyn-{bias}-b{batch}-s{seqlen}", batch, seqlen, seqlen, heads, heads,
-                     head_dim, True, dtype, topk=seqlen // 4, bias=bias)
-            for bias in DYNAMIC_BIASES]
+    masked = [Workload(f"dyn-{bias}-b{batch}-s{seqlen}", batch, seqlen, seqlen, heads, heads,
+                       head_dim, True, dtype, topk=seqlen // 4, bias=bias)
+              for bias in ("full", "key")]
+    shapes = DYNAMIC_SELECT_SHAPES if cuda else ((1, 256, 2, 2, 64, "key"),
+                                                 (1, 256, 4, 2, 32, "kv_key"))
+    return masked + [
+        Workload(f"dyn-select-{bias}-b{b}-s{s}" + (f"-hk{hk}" if hk != h else ""), b, s, s, h,
+                 hk, head_dim, True, dtype, topk=topk, bias=bias, select=True)
+        for b, s, h, hk, topk, bias in shapes]
 
 
 def _rows_suite(cuda: bool) -> list[Workload]:
@@ -262,7 +278,9 @@ def default_workloads(device: str | torch.device, suite: str = "core") -> list[W
     gqa: causal 8k B1, 32 query heads on 8 key/value heads, D128;
     headdim: dense and causal 4k B2 H16 at D 64 and D 256;
     dynamic: causal 4k B2 H16 D128 under a causal top-k mask keeping 1024 keys per row, with a
-    full or a key bias (Dynamic Mask Attention, issue #4);
+    full or a key bias (Dynamic Mask Attention, issue #4); then calls that select inside
+    attention (topk=, the key bias the scores: no mask) at DYNAMIC_SELECT_SHAPES (omniattn
+    alone, issue #53);
     rows: 8k B2 H16 D128, dense, then per-row key lengths (seqlens_k_per_row, not causal) each
     of ROW_LENGTHS: uniform in [1, Sk] per row, and i + 1 (causal's pattern: whole tiles skipped);
     window: 8k B2 H16 under a sliding window (1024, 0) at D128, GQA 16/4 and D256, and a local
@@ -306,8 +324,8 @@ def workload_keep_mask(workload: Workload, device: str | torch.device) -> torch.
     each query row keeps the `topk` keys of largest score among those causal lets it see (all of
     them when it sees fewer), so the mask hides what causal hides. The scores are per key,
     (B, H, 1, Sk) random normal from a CPU generator seeded 0: the same mask on every device.
-    None for a workload without topk."""
-    if workload.topk is None:
+    None for a workload without topk, or one that selects inside attention."""
+    if workload.topk is None or workload.select:
         return None
     generator = torch.Generator().manual_seed(0)
     scores = torch.randn((workload.batch, workload.heads, 1, workload.seqlen_k),
@@ -323,8 +341,9 @@ def workload_bias(workload: Workload, device: str | torch.device) -> torch.Tenso
     if workload.bias is None:
         return None
     rows = workload.seqlen_q if workload.bias == "full" else 1
+    heads = workload.heads_k if workload.bias == "kv_key" else workload.heads
     generator = torch.Generator(device).manual_seed(1)
-    bias = torch.randn((workload.batch, workload.heads, rows, workload.seqlen_k),
+    bias = torch.randn((workload.batch, heads, rows, workload.seqlen_k),
                        generator=generator, device=device, dtype=workload.dtype)
     return bias.requires_grad_()
 
