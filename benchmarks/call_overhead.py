@@ -32,16 +32,16 @@ def profiled(fn) -> tuple[float, float]:
             sum(e.count for e in events) / CALLS)
 
 
-def host_us(fn) -> float:
+def host_us(fn, calls: int = CALLS) -> float:
     """Host time of one call, the calls queued without a sync (fewer than the queue holds)."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return elapsed / CALLS * 1e6
+    return elapsed / calls * 1e6
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import triton
@@ -25,18 +24,6 @@ HEADS, HEADS_K, HEAD_DIM = 32, 8, 128
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-
-
-def host_ms(fn, calls: int = 50) -> float:
-    """Host ms to issue one call, the GPU kept ahead (no synchronisation between calls)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return issued / calls * 1e3
 
 
 def record(batch: int, seqlen: int, topk: int, causal: bool, bandwidth: float,
@@ -65,10 +52,13 @@ def record(batch: int, seqlen: int, topk: int, causal: bool, bandwidth: float,
 
     extra = {}
     if profile:
+        from call_overhead import host_us
         from topk_attention import kernel_times
 
-        extra = dict(topk_call_kernels=kernel_times(topk_call), topk_call_host_ms=host_ms(
-            topk_call), thresholds_host_ms=host_ms(thresholds))
+        # host ms per call over 50 calls the GPU stays behind
+        extra = dict(topk_call_kernels=kernel_times(topk_call),
+                     topk_call_host_ms=host_us(topk_call, 50) / 1e3,
+                     thresholds_host_ms=host_us(thresholds, 50) / 1e3)
     return dict(gpu=torch.cuda.get_device_name(), batch=batch, seqlen_k=seqlen, topk=topk,
                 causal=causal, thresholds_ms=split_ms, thresholds_single_program_ms=single_ms,
                 topk_call_ms=median_ms(topk_call),

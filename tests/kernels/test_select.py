@@ -103,15 +103,20 @@ def test_radix_select_with_its_gpu_digits(monkeypatch, dtype):
     assert_same_pairs(got, expected)
 
 
+def bitmap_or_random_block_mask(bitmaps: bool, batch, heads, seqlen_q, seqlen_k, seed):
+    """16 x 16 blocks: element bitmaps of a predicate every block cuts, or random whole
+    blocks (density 0.6)."""
+    if bitmaps:
+        return omniattn.block_mask_from_predicate(
+            lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0, 1, 1, seqlen_q, seqlen_k,
+            block_size=16, device=DEVICE)
+    return random_block_mask(batch, heads, seqlen_q, seqlen_k, 16, 0.6, seed)
+
+
 @pytest.mark.parametrize("bitmaps", [False, True])
 def test_radix_select_reads_block_masks(bitmaps):
     batch, seqlen_q, seqlen_k, heads = 2, 24, 40, 2
-    if bitmaps:
-        block_mask = omniattn.block_mask_from_predicate(
-            lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0, 1, 1, seqlen_q, seqlen_k,
-            block_size=16, device=DEVICE)
-    else:
-        block_mask = random_block_mask(batch, heads, seqlen_q, seqlen_k, 16, 0.6, 5)
+    block_mask = bitmap_or_random_block_mask(bitmaps, batch, heads, seqlen_q, seqlen_k, 5)
     scores = scores_with_ties((batch, 1, 1, seqlen_k), 6)
     got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads, 5, scores, causal=bitmaps,
                              block_mask=block_mask)
@@ -199,12 +204,7 @@ def test_half_keys_are_the_float32_keys_in_order():
 @pytest.mark.parametrize("bitmaps", [False, True])
 def test_split_select_reads_block_masks(monkeypatch, bitmaps):
     batch, seqlen_q, seqlen_k, heads = 1, 2, 1200, 2
-    if bitmaps:
-        block_mask = omniattn.block_mask_from_predicate(
-            lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0, 1, 1, seqlen_q, seqlen_k,
-            block_size=16, device=DEVICE)
-    else:
-        block_mask = random_block_mask(batch, heads, seqlen_q, seqlen_k, 16, 0.6, 91)
+    block_mask = bitmap_or_random_block_mask(bitmaps, batch, heads, seqlen_q, seqlen_k, 91)
     monkeypatch.setattr(select, "key_splits", lambda *args: 6)
     got, expected = run_both(batch, seqlen_q, seqlen_k, heads, heads, 250,
                              scores_with_ties((batch, 1, 1, seqlen_k), 91), causal=bitmaps,

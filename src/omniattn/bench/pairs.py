@@ -21,6 +21,11 @@ from .workloads import ExtraInputs, Workload
 _FWD_BWD_FLOP_FACTOR = 3.5
 
 
+def tile_extents(length: int, block: int, count: int, device=None) -> torch.Tensor:
+    """The length each of `count` tiles of `block` covers of `length` (the last may be short)."""
+    return (length - torch.arange(count, device=device) * block).clamp(max=block)
+
+
 def computed_pairs(seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int,
                    window: tuple[int, int] | None = None) -> int:
     """(query, key) pairs inside the key tiles the forward kernel visits, rows clipped to Sq and
@@ -48,8 +53,7 @@ def block_mask_pairs(block_mask: omniattn.BlockMask) -> float:
     block_q, block_k = block_mask.block_size
     seqlen_q, seqlen_k = block_mask.seq_lengths
     n_q, n_k = block_mask.n_blocks
-    rows = (seqlen_q - torch.arange(n_q) * block_q).clamp(max=block_q)  # last block may be short
-    cols = (seqlen_k - torch.arange(n_k) * block_k).clamp(max=block_k)
+    rows, cols = tile_extents(seqlen_q, block_q, n_q), tile_extents(seqlen_k, block_k, n_k)
     listed = (block_mask.states != 0).cpu().to(torch.int64)  # (B|1, H|1, n_q, n_k)
     pairs = (listed * rows[:, None] * cols[None, :]).sum().item()
     return pairs / (listed.shape[0] * listed.shape[1])
@@ -73,8 +77,7 @@ def element_mask_pairs(keep: torch.Tensor, causal: bool, block_m: int,
                                               0, n_q * block_m - seqlen_q))
     tiles = tiles.unflatten(-1, (n_k, block_n)).unflatten(-3, (n_q, block_m))
     active = tiles.any(dim=(-3, -1))  # (..., n_q, n_k)
-    rows = (seqlen_q - torch.arange(n_q) * block_m).clamp(max=block_m)  # last tile may be short
-    cols = (seqlen_k - torch.arange(n_k) * block_n).clamp(max=block_n)
+    rows, cols = tile_extents(seqlen_q, block_m, n_q), tile_extents(seqlen_k, block_n, n_k)
     entries = active[..., 0, 0].numel()
     pairs = (active * rows[:, None] * cols[None, :]).sum().item() / entries
     # count_nonzero: a bool sum() widens every element first (seconds at 4k)
@@ -101,7 +104,7 @@ def row_lengths_pairs(row_lens: torch.Tensor, seqlen_k: int, block_m: int, block
     longest = torch.nn.functional.pad(lens, (0, n_q * block_m - seqlen_q)).view(
         batch, n_q, block_m).amax(-1)  # (B, n_q)
     key_tiles = (longest + block_n - 1) // block_n  # visited by each query tile
-    rows = (seqlen_q - torch.arange(n_q, device=lens.device) * block_m).clamp(max=block_m)
+    rows = tile_extents(seqlen_q, block_m, n_q, lens.device)
     pairs = (rows * (key_tiles * block_n).clamp(max=seqlen_k)).sum().item() / batch
     exact = lens.sum().item() / batch
     return pairs, exact, key_tiles.sum().item() / (batch * n_q * n_k)
@@ -141,8 +144,7 @@ def selection_pairs(workload: Workload, extra: ExtraInputs, tiles: tuple[int, in
                             workload.heads_k)
     states = topk_tile_states(TopkTerm(scores, pairs), seqlen, seqlen, block_m, block_n).cpu()
     n_q, n_k = triton.cdiv(seqlen, block_m), triton.cdiv(seqlen, block_n)
-    rows = (seqlen - torch.arange(n_q) * block_m).clamp(max=block_m)
-    cols = (seqlen - torch.arange(n_k) * block_n).clamp(max=block_n)
+    rows, cols = tile_extents(seqlen, block_m, n_q), tile_extents(seqlen, block_n, n_k)
     causal = torch.arange(n_k)[None, :] * block_n <= torch.arange(n_q)[:, None] * block_m \
         + block_m - 1
     walked = (states != HIDDEN) & causal  # (B|1, Hs, n_q, n_k)
