@@ -41,8 +41,9 @@ Written without a GPU; only its --cpu-smoke mode has run (gloo, 2 processes, tin
 reference path: tests/distributed/test_cp_million.py). At 1M on 8 GPUs a forward+backward
 step should take seconds, and each method's is run (warmup + reps) x 2 times and once more
 for the check: several minutes in all, besides compiling. Each rank first builds the whole
-sequence's inputs (about 20 GiB in bf16 at these shapes) and keeps its shards. The processes, timing, the
-communication's stand-ins and the record are cp_common.py's, shared with cp_scaling.py.
+sequence's inputs (about 20 GiB in bf16 at these shapes) and keeps its shards. The processes,
+timing, the communication's stand-ins and the record are cp_common.py's, shared with
+cp_scaling.py.
 """
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def single_worker(rank: int, settings: Settings, out_file: str) -> None:
                 record["explain"] = str(omniattn.explain(q, k, v, **options))
                 for mode, fn in steps(lambda *qkv: omniattn.attention(*qkv, **options), leaves,
                                       dout).items():
-                    record[f"{mode}_ms"] = median_ms(fn, settings.warmup, settings.reps, device)["ms"]
+                    record[f"{mode}_ms"] = median_ms(fn, settings.warmup, settings.reps,
+                                                     device)["ms"]
 
             recorded(record, measure)
             records.append(record)
@@ -304,7 +305,8 @@ def run(settings: Settings) -> dict:
                                         settings.world, folder / "cp.json",
                                         {"cp": [], "checks": []})
     failures = [f for f in (single_failure, cp_failure) if f is not None]
-    return {"environment": environment(settings.device, settings.world), "settings": dataclasses.asdict(settings),
+    return {"environment": environment(settings.device, settings.world),
+            "settings": dataclasses.asdict(settings),
             "single": single, "results": merged(single, parallel["cp"]),
             "checks": parallel["checks"], "failures": failures}
 

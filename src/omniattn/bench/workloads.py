@@ -45,8 +45,8 @@ class Workload:
     dynamic workload): a top-k element mask keeping `topk` keys per query row, within causal if
     `causal` (see `workload_keep_mask`), plus a learnable `bias` named in DYNAMIC_BIASES (see
     `workload_bias`); with `select` no mask: attention selects the `topk` keys itself, the key
-    bias its scores (omniattn alone). `row_lengths` set (a rows workload): per-row key lengths named in
-    ROW_LENGTHS are the only mask (see `workload_row_lengths`). `window` set (a window
+    bias its scores (omniattn alone). `row_lengths` set (a rows workload): per-row key lengths
+    named in ROW_LENGTHS are the only mask (see `workload_row_lengths`). `window` set (a window
     workload): attention's window (left, right), -1 unbounded, is the only mask. `documents` set
     (a varlen workload): one batch of seqlen_q tokens packed from documents whose lengths are
     drawn as DOCUMENTS names (see `workload_documents`), attended each on its own (causal within

@@ -260,8 +260,8 @@ def _list_row(fine, stride_fm, stride_fn, n_fine_m, n_fine_n, lists, offset, n_r
     """The BCSR lists of one row of (BLOCK_M, BLOCK_N) tiles: a query tile (key tiles listed)
     or, TRANSPOSED, a key tile (query tiles listed), into the pass's part of `lists` at
     `offset`: counts (2, B, Hl, n_rows) of PARTIAL then FULL tiles, indices
-    (2, B, Hl, n_rows, n_cols), bh the row's batch x list head. A tile's state is the AND (min) of the causal / window state
-    and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer tiles. Tiles
+    (2, B, Hl, n_rows, n_cols), bh the row's batch x list head. A tile's state is the AND (min)
+    of the causal / window state and the mask state, coarsened from the pre-pass's FACTOR_M x FACTOR_N finer tiles. Tiles
     outside the causal / window range are not looked at. Listed in increasing order.
     VARLEN: (Sq, Sk) are those of the row's sequence."""
     _, seqlen_q, _, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, off_b, seqlen_q, seqlen_k,

@@ -550,8 +550,9 @@ def bwd_kernel(
 ):
     """Programs [0, n_tiles_n * kv_split) of the program axis compute dK/dV (one per key tile and
     HEADS_PER_PROGRAM query heads of the KV group: kv_split parts, each writing a DK/DV head slot
-    of its own, or with ATOMIC_KV each adding into its KV head's fp32 slot; DKDV_APART: twice as many, even ones dV, odd ones dK), the rest dQ (one per
-    query tile and query head of the KV group). LONGEST_FIRST
+    of its own, or with ATOMIC_KV each adding into its KV head's fp32 slot; DKDV_APART: twice
+    as many, even ones dV, odd ones dK), the rest dQ (one per query tile and query head of the
+    KV group). LONGEST_FIRST
     (causal): the program axis is grid axis 1, so the GPU starts every (batch, KV head)'s first
     program before any second one, and dQ programs take their query tiles last to first: the
     longest run first.
@@ -564,8 +565,8 @@ def bwd_kernel(
     topk_layout (TopkTerm.operands' strides), shape (seqlen_q, seqlen_k, num_heads, group: query
     heads per KV head, n_tiles_n key tiles, n_tiles_m query tiles), window (diag_offset, left,
     right), scores (`scores_log2`'s scale and softcap terms, softmax_scale), rng (seed,
-    dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ
-    added by the dK/dV programs, no dQ programs, LONGEST_FIRST, ATOMIC_KV), DKDV_TILE / DQ_TILE (the dK/dV and
+    dropout_p); PROGRAMS (HEADS_PER_PROGRAM, DKDV_APART, ATOMIC_DQ: dQ added by the dK/dV
+    programs, no dQ programs, LONGEST_FIRST, ATOMIC_KV), DKDV_TILE / DQ_TILE (the dK/dV and
     the dQ programs' BLOCK_M, BLOCK_N, EVEN_M, EVEN_N), WINDOW_FORM (HAS_LEFT, HAS_RIGHT),
     MASK_FORM / BIAS_FORM / TOPK_FORM (given, rows shared, columns shared), DBIAS_FORM (DBIAS, DBIAS_PER_QHEAD,
     DBIAS_TILES_IN_DQ: a full bias's tiles stored by the dQ programs), ROW_LENS_FORM (HAS_ROW_LENS,
@@ -663,7 +664,8 @@ def bwd_kernel(
             if (not DKDV_APART) or (pid % 2 == kind):
                 _dkdv_program(
                     tile_n, off_b, off_hk * group + part * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
-                    off_hk if ATOMIC_KV else off_hk * kv_split + part, Q, DOut, Lse, Delta, DK, DV, DQ, k_base, v_base,
+                    off_hk if ATOMIC_KV else off_hk * kv_split + part, Q, DOut, Lse, Delta,
+                    DK, DV, DQ, k_base, v_base,
                     q_strides, stride_kn, stride_vn, do_strides, dk_strides, dv_strides,
                     lse_strides, dq_strides, (QNum, QIdx, FullQNum, FullQIdx), q_list_strides,
                     (mask_batch, stride_mh, stride_mm, stride_mn, mask_head_div),

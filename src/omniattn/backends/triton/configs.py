@@ -105,8 +105,8 @@ _BWD_FULL_BIAS = {
     128: BwdTileConfig(64, 128, 128, 64, 8, 2),  # 2.05 ms; atomic dQ (spills) 2.27
 }
 # query heads per dK/dV program under GQA: one (the group's heads in separate programs adding
-# fp32 dK/dV by atomics, or deterministic, partials summed after by sum_kv_parts) keeps the program MHA's; a loop over the heads raised
-# its spills from 176 to 932 B. H200, GQA 32/8 causal 8k backward kernel 3.24 ms + 0.08 (sum)
+# fp32 dK/dV by atomics, or deterministic, partials summed after by sum_kv_parts) keeps the
+# program MHA's; a loop over the heads raised its spills from 176 to 932 B. H200, GQA 32/8 causal 8k backward kernel 3.24 ms + 0.08 (sum)
 # against 4.24
 DKDV_HEADS_PER_PROGRAM = 1
 # dropout regroups its 16-bit draws (join / reshape) through shared memory: at 3 stages the
